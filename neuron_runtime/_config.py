@@ -1,0 +1,155 @@
+"""Every environment variable the runtime reads, in one place.
+
+`load()` reads the environment into a frozen `Config`; `get()` returns the process-wide one, read once.
+Tests that change the environment call `reload()`. Unknown `TORCH_NEURONX_*` variables get one warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import warnings
+from pathlib import Path
+
+_PREFIX = "TORCH_NEURONX_"
+
+
+def _parse_size(text: str) -> int:
+    """`10GiB`, `500MB`, `1.5G` or plain bytes -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGTP]?)(I?B?)\s*", text.upper())
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use e.g. 10GiB, 500MB or plain bytes)")
+    number, unit, suffix = float(m.group(1)), m.group(2), m.group(3)
+    base = 1024 if suffix.startswith("I") or (unit and not suffix) else 1000
+    power = " KMGTP".index(unit or " ")
+    return int(number * base**power)
+
+
+def _flag(value: str | None, default: bool) -> bool:
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _default_local_dir() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(root) / "neuron-runtime" / "neff")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    compiler: str = "aoti"
+    fallback: bool = True
+    stats_file: str | None = None
+    log_level: str = "WARNING"
+    # caches
+    cache_dir: str | None = None  # fleet store URL: path, file://, s3://, grpc://, grpcs://
+    local_cache_dir: str = dataclasses.field(default_factory=_default_local_dir)
+    cache_max_size: int = 10 * 1024**3
+    cache_mode: str = "readwrite"  # readwrite | readonly | strict
+    memory_cache_entries: int = 4096
+    signing_key: bytes | None = None
+    cache_token: str | None = None
+    fleet_timeout_s: float = 10.0
+    lease_ttl_s: float = 300.0
+    lock_timeout_s: float = 600.0
+    single_flight: bool = True
+    # aoti target
+    aoti_march: str = "x86-64-v3"
+    aoti_simdlen: int | None = None
+    # fusion
+    concatenation: bool = False
+    concatenation_buffer_limit: int = 1024
+    fusion_min_seen: int = 3
+    # recording (neuron-cache warm)
+    record_file: str | None = None
+
+
+# name -> (field, parser). The README's table lists exactly these.
+_VARS: dict[str, tuple[str, object]] = {
+    "TORCH_NEURONX_COMPILER": ("compiler", str),
+    "TORCH_NEURONX_FALLBACK": ("fallback", lambda v: _flag(v, True)),
+    "TORCH_NEURONX_STATS_FILE": ("stats_file", str),
+    "TORCH_NEURONX_LOG_LEVEL": ("log_level", str.upper),
+    "TORCH_NEURONX_NEFF_CACHE_DIR": ("cache_dir", str),
+    "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": ("local_cache_dir", str),
+    "TORCH_NEURONX_NEFF_CACHE_MAX_SIZE": ("cache_max_size", _parse_size),
+    "TORCH_NEURONX_CACHE_MODE": ("cache_mode", str.lower),
+    "TORCH_NEURONX_MEMORY_CACHE_ENTRIES": ("memory_cache_entries", int),
+    "TORCH_NEURONX_CACHE_TOKEN": ("cache_token", str),
+    "TORCH_NEURONX_FLEET_TIMEOUT": ("fleet_timeout_s", float),
+    "TORCH_NEURONX_LEASE_TTL": ("lease_ttl_s", float),
+    "TORCH_NEURONX_LOCK_TIMEOUT": ("lock_timeout_s", float),
+    "TORCH_NEURONX_SINGLE_FLIGHT": ("single_flight", lambda v: _flag(v, True)),
+    "TORCH_NEURONX_AOTI_MARCH": ("aoti_march", str),
+    "TORCH_NEURONX_AOTI_SIMDLEN": ("aoti_simdlen", int),
+    "TORCH_NEURONX_ENABLE_CONCATENATION": ("concatenation", lambda v: _flag(v, False)),
+    "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT": ("concatenation_buffer_limit", int),
+    "TORCH_NEURONX_FUSION_MIN_SEEN": ("fusion_min_seen", int),
+    "TORCH_NEURONX_RECORD_FILE": ("record_file", str),
+}
+# Read elsewhere (signing key material), listed so they are not reported as unknown.
+_OTHER_KNOWN = {"TORCH_NEURONX_CACHE_SIGNING_KEY", "TORCH_NEURONX_CACHE_SIGNING_KEY_FILE"}
+
+_COMPILERS = ("aoti", "reference")
+_MODES = ("readwrite", "readonly", "strict")
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value the runtime cannot use."""
+
+
+def _signing_key(env: dict[str, str]) -> bytes | None:
+    key = env.get("TORCH_NEURONX_CACHE_SIGNING_KEY")
+    if key:
+        return key.encode()
+    path = env.get("TORCH_NEURONX_CACHE_SIGNING_KEY_FILE")
+    if path:
+        try:
+            data = Path(path).read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"TORCH_NEURONX_CACHE_SIGNING_KEY_FILE: cannot read {path}: {e}") from e
+        if not data:
+            raise ConfigError(f"TORCH_NEURONX_CACHE_SIGNING_KEY_FILE: {path} is empty")
+        return data
+    return None
+
+
+def load(env: dict[str, str] | None = None) -> Config:
+    env = dict(os.environ if env is None else env)
+    values: dict[str, object] = {}
+    for name, (field, parse) in _VARS.items():
+        raw = env.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            values[field] = parse(raw)  # type: ignore[operator]
+        except ValueError as e:
+            raise ConfigError(f"{name}={raw!r}: {e}") from e
+    for name in env:
+        if name.startswith(_PREFIX) and name not in _VARS and name not in _OTHER_KNOWN:
+            warnings.warn(f"unknown environment variable {name} (ignored); see the README's table", stacklevel=2)
+    values["signing_key"] = _signing_key(env)
+    cfg = Config(**values)  # type: ignore[arg-type]
+    if cfg.compiler not in _COMPILERS:
+        raise ConfigError(f"TORCH_NEURONX_COMPILER={cfg.compiler!r}: choose one of {', '.join(_COMPILERS)}")
+    if cfg.cache_mode not in _MODES:
+        raise ConfigError(f"TORCH_NEURONX_CACHE_MODE={cfg.cache_mode!r}: choose one of {', '.join(_MODES)}")
+    return cfg
+
+
+_current: Config | None = None
+
+
+def get() -> Config:
+    global _current
+    if _current is None:
+        _current = load()
+    return _current
+
+
+def reload() -> Config:
+    global _current
+    _current = load()
+    return _current

@@ -1,0 +1,110 @@
+"""The one contract every cache tier implements.
+
+Keys are 64 lowercase hex characters (sha256 of the canonical signature JSON; see `_signature.py`).
+Values are *bytes only*: whole envelopes (see `neuron_runtime.envelope`), never Python objects.
+
+Failure rules (every backend, every method):
+  * A backend problem (I/O error, timeout, throttling, permission, server down) is never raised to the
+    caller: `get` returns None, `put` returns False, `contains_many` returns what it could confirm. The
+    backend counts it and warns once per kind of problem (`logging` + `warnings`).
+  * Integrity is *not* the backend's job: it returns the bytes it has; the tiered cache verifies the
+    envelope and calls `delete` (or `quarantine`) on a bad entry. That failure is loud and counted.
+  * `put` is first-writer-wins and atomic: a reader sees either no entry or a whole one, never a torn one.
+    Writing a key that exists is a no-op that returns True.
+
+Concurrency: every method may be called from several threads at once, and several processes (or hosts,
+for fleet stores) may share the same store.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class CacheError(Exception):
+    """Base of the runtime's cache errors (raised only for misuse and integrity failures)."""
+
+
+class InvalidKeyError(CacheError, ValueError):
+    """A key that is not 64 lowercase hex characters (never reaches a path or an object name)."""
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not KEY_RE.match(key):
+        raise InvalidKeyError(f"invalid cache key {key!r}: expected 64 lowercase hex characters")
+    return key
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    key: str
+    size: int
+    mtime: float  # seconds since the epoch; last write (or last access where the tier tracks it)
+
+
+class Lease(abc.ABC):
+    """A claim to compile one key, held until `release()` or until its TTL expires.
+
+    Whoever holds the lease compiles and `put`s; others `wait` (bounded) and then `get`.
+    """
+
+    @abc.abstractmethod
+    def release(self) -> None: ...
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class CacheBackend(abc.ABC):
+    """A byte store keyed by cache key. See the module docstring for the failure and concurrency rules."""
+
+    #: tier name used in `stats()["hits"]` ("memory", "local", "fleet").
+    tier: str = "fleet"
+    #: the URL or path it was opened with (for messages and `neuron-cache stats`).
+    url: str = ""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The stored bytes, or None on a miss or any backend problem."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> bool:
+        """Store atomically, first writer wins. True if the key is now present, False if skipped."""
+
+    def contains_many(self, keys: Iterable[str]) -> set[str]:
+        """The subset of `keys` present (one round trip where the backend can batch)."""
+        return {k for k in keys if self.get(k) is not None}
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove an entry (used for quarantine and prune). True if it existed."""
+
+    @abc.abstractmethod
+    def entries(self) -> Iterator[EntryInfo]:
+        """Every entry with its size and time (for `neuron-cache ls/stats/verify/prune`)."""
+
+    def try_lease(self, key: str, ttl_s: float) -> Lease | None:
+        """Claim the compile of `key` fleet-wide. None if someone else holds a live lease.
+
+        Backends without leases return a no-op lease (everyone compiles; correctness is unaffected)."""
+        return _NullLease()
+
+    def wait_for(self, key: str, timeout_s: float) -> bytes | None:
+        """Wait (bounded) for another holder's entry to appear; None when the wait ran out."""
+        return self.get(key)
+
+    def close(self) -> None:
+        """Release resources. Idempotent."""
+
+
+class _NullLease(Lease):
+    def release(self) -> None:
+        pass
