@@ -1,0 +1,56 @@
+"""neuron-runtime: PyTorch eager on a `neuron` device, one compiled executable per op signature.
+
+`import torch` loads this package through the `torch.backends` entry point; importing it directly
+does the same. Public names are listed in `__all__`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["fallback_ops", "reset", "stats", "__version__"]
+__version__ = "0.1.0"
+
+_loaded = False
+
+
+def _autoload() -> None:
+    """Entry point of the `torch.backends` group (called during `import torch`)."""
+    _load()
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    from . import _device, _kernels, _stats
+
+    _device.register()
+    _kernels.register_all()
+    _stats.install_exit_hook()
+    _loaded = True
+
+
+def stats() -> dict[str, Any]:
+    """Counters of this process as a JSON-serialisable dict (executions, compiles, fallbacks, corrupt,
+    hits per tier, ...)."""
+    from . import _dispatch
+
+    return _dispatch.runtime().stats()
+
+
+def fallback_ops() -> list[str]:
+    """Ops that ran on the host because they could not be compiled (one warning each)."""
+    from . import _dispatch
+
+    return sorted(_dispatch.runtime().fallback_ops)
+
+
+def reset() -> None:
+    """Re-read the environment and start with empty in-process caches and counters."""
+    from . import _dispatch
+
+    _dispatch.reset_runtime()
+
+
+_load()

@@ -1,0 +1,500 @@
+"""One dispatch path for every eager op on `neuron` (DESIGN §2).
+
+Each aten op with a CPU kernel gets a Python kernel for PrivateUse1, chosen by its kind (`_ops.py`):
+
+  view       the CPU kernel runs on the neuron tensor itself (metadata only)
+  host       the op runs on CPU views of the neuron memory (random ops, data-dependent shapes, ...)
+  special    its own kernel (`_special.py`)
+  compute    generated per op (see `_codegen`): key tuple -> executable -> outputs relabelled to neuron
+  mutating   the functional variant's executable, then a copy into the mutated arguments
+
+The hit path of `compute`/`mutating` is the product's inner loop: the kernel is Python source generated
+from the op's schema, so arguments bind natively, the key is one tuple and the executable one call.
+Everything that is not a hit goes to `Runtime.slow_call`, which does the checks once per key.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _config, _ops, _signature
+from ._hostmem import to_cpu, to_neuron
+from .compiler import CompileRefused, Compiler, Executable, get_compiler
+
+log = logging.getLogger(__name__)
+
+DEVICE = "neuron"
+
+
+class NeuronRuntimeError(RuntimeError):
+    """Base of the runtime's errors."""
+
+
+class FallbackDisabledError(NeuronRuntimeError):
+    """An op could not be compiled and TORCH_NEURONX_FALLBACK=0 forbids running it on the host."""
+
+
+class CacheMissError(NeuronRuntimeError):
+    """TORCH_NEURONX_CACHE_MODE=strict and an op signature has no cached executable."""
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU aliases of neuron tensors.
+#
+# `_aliases[id(t)] = (cpu_view, data_ptr, meta, weakref)` for neuron tensors this runtime created (op
+# outputs, allocations) and for any neuron tensor once seen as an input. The entry is dropped when the
+# tensor dies (weakref callback), and validated on use against the data pointer and the (dtype, sizes,
+# strides) the kernel computed for its key anyway, so `t.data = ...`, in-place metadata ops and
+# `swap_tensors` can never hand an executable a stale view.
+# --------------------------------------------------------------------------------------------------
+_aliases: dict[int, tuple[torch.Tensor, int, tuple[Any, ...], Any]] = {}
+_alias_get = _aliases.get
+_ref = weakref.ref
+_alias_op = torch.ops.aten.alias.default
+
+
+def _dropper(i: int) -> Callable[[Any], None]:
+    def drop(_: Any, i: int = i) -> None:
+        _aliases.pop(i, None)
+
+    return drop
+
+
+def wrap(o: torch.Tensor) -> torch.Tensor:
+    """A neuron tensor over the memory of fresh CPU tensor `o`, remembering `o` as its CPU view."""
+    n = to_neuron(o)
+    i = id(n)
+    _aliases[i] = (o, o.data_ptr(), (o.dtype, o.shape, o.stride()), _ref(n, _dropper(i)))
+    return n
+
+
+def device_error(t: torch.Tensor) -> RuntimeError:
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {DEVICE}:0 and "
+        f"{t.device}!"
+    )
+
+
+def alias_slow(t: torch.Tensor, meta: tuple[Any, ...] | None = None) -> torch.Tensor:
+    """The CPU view of `t` when the cached one is missing or stale (or `t` is a CPU scalar)."""
+    if t.device.type == DEVICE:
+        # Relabel a fresh alias, not `t` itself: the capsule keeps its source alive, and holding `t`'s own
+        # TensorImpl would keep the Python tensor from ever dying (PyTorch preserves the PyObject).
+        c = to_cpu(_alias_op(t))
+        i = id(t)
+        _aliases[i] = (c, t.data_ptr(), meta if meta is not None else (t.dtype, t.shape, t.stride()),
+                       _ref(t, _dropper(i)))
+        return c
+    if t.dim() == 0 and t.device.type == "cpu":
+        return t  # CPU scalars mix with device tensors, as on CUDA
+    raise device_error(t)
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    meta = (t.dtype, t.shape, t.stride())
+    e = _alias_get(id(t))
+    if e is not None and e[2] == meta and e[1] == t.data_ptr():
+        return e[0]
+    return alias_slow(t, meta)
+
+
+def forget(t: torch.Tensor) -> None:
+    """Drop the cached CPU view of `t` (after an op changed its storage or metadata)."""
+    _aliases.pop(id(t), None)
+
+
+def to_host(v: Any) -> Any:
+    """Replace neuron tensors in an argument (lists too) by their CPU views."""
+    if isinstance(v, torch.Tensor):
+        return alias(v) if v.device.type == DEVICE else v
+    if isinstance(v, (list, tuple)):
+        return type(v)(to_host(x) for x in v)
+    if isinstance(v, torch.device) and v.type == DEVICE:
+        return torch.device("cpu")
+    return v
+
+
+# --------------------------------------------------------------------------------------------------
+# The runtime: executables, fallbacks, counters.
+# --------------------------------------------------------------------------------------------------
+# Executions on the hit path: a list cell, the cheapest thing Python can bump (read by `stats()`).
+FAST = [0]
+
+
+class _Fallback:
+    """Marks an in-process key whose op runs on the host (compile refused or executable failed)."""
+
+
+FALLBACK = _Fallback()
+
+
+class Runtime:
+    def __init__(self, cfg: _config.Config) -> None:
+        self.cfg = cfg
+        self.compiler: Compiler = get_compiler(cfg.compiler)
+        self.fingerprint = self.compiler.fingerprint()
+        self.lock = threading.RLock()
+        self.by_digest: dict[str, Executable] = {}
+        self.fallback_keys: set[tuple[str, Any]] = set()
+        self.fallback_ops: dict[str, str] = {}   # op name -> reason (first seen)
+        self.host_ops: set[str] = set()
+        FAST[0] = 0
+        self.counts: dict[str, int] = {"executions": 0, "compiles": 0, "fallbacks": 0, "corrupt": 0,
+                                       "misses": 0, "host_ops": 0, "loads": 0}
+        self.hits: dict[str, int] = {"memory": 0}
+        self.cache: Any = None  # TieredCache, attached by the cache layer when configured
+        self.recorder: Callable[[dict[str, Any], str], None] | None = None
+
+    # -- stats ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = dict(self.counts)
+        s["executions"] += FAST[0]
+        hits = dict(self.hits)
+        hits["memory"] += FAST[0]
+        s["hits"] = hits
+        s["fallback_ops"] = sorted(self.fallback_ops)
+        s["compiler"] = self.compiler.name
+        if self.cache is not None and hasattr(self.cache, "stats"):
+            s["cache"] = self.cache.stats()
+        return s
+
+    # -- executables ------------------------------------------------------------------------------
+    def executable(self, info: _ops.OpInfo, values: tuple[Any, ...]) -> tuple[Executable, dict[str, Any]]:
+        """Find or make the executable for one call of functional op `info` (slow path only)."""
+        sig = _signature.build(info, values)
+        digest = _signature.cache_key(sig, self.fingerprint)
+        exe = self.by_digest.get(digest)
+        if exe is not None:
+            return exe, sig
+        with self.lock:
+            exe = self.by_digest.get(digest)
+            if exe is None:
+                self.counts["misses"] += 1
+                exe = self._load_or_compile(digest, sig)
+                self.by_digest[digest] = exe
+                if self.recorder is not None:
+                    self.recorder(sig, digest)
+        return exe, sig
+
+    def _load_or_compile(self, digest: str, sig: dict[str, Any]) -> Executable:
+        if self.cache is not None:
+            payload = self.cache.get_or_compile(digest, sig, self._compile_payload)
+            self.counts["loads"] += 1
+            return self.compiler.load(payload)
+        if self.cfg.cache_mode == "strict":
+            raise CacheMissError(f"strict cache mode: no executable for {sig['op']} (key {digest}); "
+                                 f"signature {_signature.canonical(sig).decode()}")
+        return self.compiler.load(self._compile_payload(sig))
+
+    def _compile_payload(self, sig: dict[str, Any]) -> bytes:
+        log.info("compiling %s", sig["op"])
+        payload = self.compiler.compile(sig)
+        self.counts["compiles"] += 1
+        return payload
+
+    # -- fallbacks --------------------------------------------------------------------------------
+    def note_fallback(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any] | None, why: str) -> None:
+        name = info.qualname
+        if not self.cfg.fallback:
+            detail = "" if sig is None else f"; signature {_signature.canonical(sig).decode()}"
+            raise FallbackDisabledError(
+                f"{name} cannot run compiled ({why}) and TORCH_NEURONX_FALLBACK=0 forbids running it on "
+                f"the host{detail}")
+        with self.lock:
+            self.fallback_keys.add((name, key))
+            if name not in self.fallback_ops:
+                self.fallback_ops[name] = why
+                warnings.warn(f"neuron: {name} runs on the host ({why}); see neuron_runtime.fallback_ops()",
+                              UserWarning, stacklevel=4)
+
+    # -- the slow path of compute / mutating kernels ----------------------------------------------
+    def slow_call(self, info: _ops.OpInfo, exes: dict[Any, Executable], key: Any,
+                  values: tuple[Any, ...]) -> Any:
+        """Everything but a hit: check devices, find or make the executable, run it, check the result
+        against the op's contract once, then let the hit path serve this key."""
+        f = info.functional or info
+        fvalues = values if f is info else tuple(v for a, v in zip(info.args, values)
+                                                 if not (a.mutable and a.kwarg_only))
+        host_values = tuple(to_host(v) for v in values)  # also raises on a CPU/neuron mix
+        if (info.qualname, key) in self.fallback_keys:
+            return self.host_call(info, values, host_values)
+        try:
+            exe, sig = self.executable(f, fvalues)
+        except (CompileRefused, _signature.SignatureError) as e:
+            self.note_fallback(info, key, None, str(e))
+            return self.host_call(info, values, host_values)
+        except CacheMissError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed compile is a fallback, not a user error
+            log.debug("compile of %s failed", info.qualname, exc_info=True)
+            self.note_fallback(info, key, None, f"compile failed: {type(e).__name__}: {e}")
+            return self.host_call(info, values, host_values)
+        tensors, scalars = flatten(f, host_values if f is info else
+                                   tuple(v for a, v in zip(info.args, host_values)
+                                         if not (a.mutable and a.kwarg_only)))
+        try:
+            outs = exe(tensors, scalars)
+        except Exception as e:  # noqa: BLE001
+            # Either the op is invalid for these inputs (the host raises the user's error) or the
+            # executable is broken (the host succeeds, and this key falls back from now on).
+            result = self.host_call(info, values, host_values)
+            self.note_fallback(info, key, sig, f"executable failed: {type(e).__name__}: {e}")
+            return result
+        self.counts["executions"] += 1
+        result = self.finish(info, values, host_values, list(outs))
+        exes[key] = exe
+        return result
+
+    def finish(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
+               outs: list[torch.Tensor]) -> Any:
+        if info.kind != "mutating":
+            if info.returns_list:
+                return [wrap(o) for o in outs]
+            if info.n_returns == 1:
+                return wrap(outs[0])
+            return tuple(wrap(o) for o in outs)
+        names = [a.name for a in info.args]
+        for name, out in zip(info.mutable, outs):
+            i = names.index(name)
+            target, host = values[i], host_values[i]
+            if isinstance(target, (list, tuple)):
+                for t, h, o in zip(target, host, out):
+                    copy_back(t, h, o, info)
+            else:
+                copy_back(target, host, out, info)
+        return self.mutating_result(info, values, names)
+
+    @staticmethod
+    def mutating_result(info: _ops.OpInfo, values: tuple[Any, ...], names: list[str]) -> Any:
+        rets = [values[names.index(r)] for r in info.returns_args]
+        if info.n_returns == 0:
+            return None
+        if info.n_returns == 1:
+            return rets[0]
+        return tuple(rets)
+
+    def host_call(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...]) -> Any:
+        """Run the op itself on CPU views; outputs that are an input's view come back as that input."""
+        args, kwargs = [], {}
+        for a, v in zip(info.args, host_values):
+            if a.kwarg_only:
+                kwargs[a.name] = v
+            else:
+                args.append(v)
+        out = info.op(*args, **kwargs)
+        self.counts["host_ops"] += 1
+        return rewrap(out, values, host_values, to_cpu_result=_wants_cpu(info, values))
+
+
+def _wants_cpu(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
+    for a, v in zip(info.args, values):
+        if a.name == "device" and v is not None:
+            return torch.device(v).type == "cpu"
+    return False
+
+
+def rewrap(out: Any, values: tuple[Any, ...], host_values: tuple[Any, ...], to_cpu_result: bool = False) -> Any:
+    """Map host results back: an input's CPU view becomes that input; a fresh CPU tensor becomes neuron."""
+    if isinstance(out, torch.Tensor):
+        for v, h in zip(values, host_values):
+            if h is out:
+                return v
+            if isinstance(h, (list, tuple)):
+                for vv, hh in zip(v, h):
+                    if hh is out:
+                        return vv
+        if to_cpu_result or out.device.type != "cpu":
+            return out
+        return wrap(out)
+    if isinstance(out, (list, tuple)):
+        return type(out)(rewrap(o, values, host_values, to_cpu_result) for o in out)
+    return out
+
+
+def copy_back(target: torch.Tensor, host: torch.Tensor, result: torch.Tensor, info: _ops.OpInfo) -> None:
+    """Write a functional result into the tensor an in-place or out= op mutates."""
+    if target.shape != result.shape:
+        if info.mutable and info.args[[a.name for a in info.args].index(info.mutable[0])].kwarg_only:
+            target.resize_(result.shape)  # out=: resized like PyTorch does (our resize_ kernel)
+            host = alias(target)
+        else:
+            raise RuntimeError(f"{info.qualname}: output with shape {list(target.shape)} doesn't match the "
+                               f"broadcast shape {list(result.shape)}")
+    if result.dtype != host.dtype and not torch.can_cast(result.dtype, host.dtype):
+        raise RuntimeError(f"{info.qualname}: result type {result.dtype} can't be cast to the desired output "
+                           f"type {host.dtype}")
+    host.copy_(result)
+
+
+def flatten(info: _ops.OpInfo, host_values: tuple[Any, ...]) -> tuple[list[torch.Tensor], list[Any]]:
+    """The executable's (tensors, scalars) for one call, in the order of `compiler._base`'s contract."""
+    tensors: list[torch.Tensor] = []
+    scalars: list[Any] = []
+    for a, v in zip(info.args, host_values):
+        k = a.kind
+        if k == _ops.TENSOR:
+            tensors.append(v)
+        elif k == _ops.OPT_TENSOR:
+            if v is not None:
+                tensors.append(v)
+        elif k in (_ops.TENSORS, _ops.OPT_TENSORS):
+            tensors.extend(t for t in v if t is not None)
+        elif k == _ops.SCALAR:
+            if v is not None:
+                scalars.append(v)
+        elif k == _ops.SCALARS:
+            if v is not None:
+                scalars.extend(v)
+    return tensors, scalars
+
+
+_runtime: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime(_config.get())
+    return _runtime
+
+
+def reset_runtime(cfg: _config.Config | None = None) -> Runtime:
+    """Start over with a fresh runtime (new config, empty in-memory caches). For tests and the CLI."""
+    global _runtime
+    _runtime = Runtime(cfg or _config.reload())
+    for info, exes in _EXES.values():
+        exes.clear()
+    return _runtime
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel generation.
+# --------------------------------------------------------------------------------------------------
+_EXES: dict[str, tuple[_ops.OpInfo, dict[Any, Executable]]] = {}
+
+
+def _tensor_key(x: str) -> str:
+    return f"({x}.dtype, {x}.shape, {x}.stride())"
+
+
+def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
+    """Generate the kernel of a compute or mutating op from its schema."""
+    f = info.functional or info
+    fnames = {a.name for a in f.args}
+    params: list[str] = []
+    kwonly: list[str] = []
+    defaults: list[Any] = []
+    for a in info.args:
+        if a.has_default:
+            defaults.append(a.default)
+            p = f"{a.name}=DF[{len(defaults) - 1}]"
+        else:
+            p = a.name
+        (kwonly if a.kwarg_only else params).append(p)
+    sig = ", ".join(params + (["*"] + kwonly if kwonly else []))
+    body: list[str] = []
+    key_items: list[str] = []
+    tens: list[str] = []   # expressions building the tensor list
+    scal: list[str] = []   # expressions building the scalar list
+    mutated: dict[str, str] = {}  # arg name -> expression of its CPU view(s)
+    for j, a in enumerate(arg for arg in info.args if arg.name in fnames and not (arg.mutable and arg.kwarg_only)):
+        n, k = a.name, a.kind
+        if k == _ops.TENSOR:
+            body.append(f"k{j} = {_tensor_key(n)}")
+            body.append(f"e = AG(id({n}))")
+            body.append(f"c{j} = e[0] if e is not None and e[2] == k{j} and e[1] == {n}.data_ptr() else AS({n}, k{j})")
+            key_items.append(f"k{j}")
+            tens.append(f"c{j}")
+            mutated[n] = f"c{j}"
+        elif k == _ops.OPT_TENSOR:
+            key_items.append(f"(None if {n} is None else {_tensor_key(n)})")
+            tens.append(f"*(() if {n} is None else (AL({n}),))")
+        elif k == _ops.TENSORS:
+            key_items.append(f"tuple([{_tensor_key('t')} for t in {n}])")
+            body.append(f"l{j} = [AL(t) for t in {n}]")
+            tens.append(f"*l{j}")
+            mutated[n] = f"l{j}"
+        elif k == _ops.OPT_TENSORS:
+            key_items.append(f"tuple([None if t is None else {_tensor_key('t')} for t in {n}])")
+            tens.append(f"*[AL(t) for t in {n} if t is not None]")
+        elif k == _ops.SCALAR:
+            key_items.append(f"{n}.__class__")
+            scal.append(f"*(() if {n} is None else ({n},))" if a.optional else n)
+        elif k == _ops.SCALARS:
+            key_items.append(f"(None if {n} is None else tuple([s.__class__ for s in {n}]))")
+            scal.append(f"*(() if {n} is None else {n})")
+        elif k == _ops.VALUE:
+            key_items.append(f"(tuple({n}) if {n}.__class__ is list else {n})")
+        else:  # pragma: no cover - classify() never sends these here
+            raise AssertionError(f"{info.qualname}: {n} of kind {k}")
+    values = "(" + "".join(f"{a.name}, " for a in info.args) + ")"
+    key = "(" + "".join(f"{x}, " for x in key_items) + ")"
+    call_tensors = "[" + ", ".join(tens) + "]"
+    call_scalars = "[" + ", ".join(scal) + "]"
+    # Key first, cheap: a miss needs nothing else.
+    lines = [f"def kernel({sig}):"]
+    key_lines = [b for b in body if b.startswith("k")]
+    alias_lines = [b for b in body if not b.startswith("k")]
+    lines += ["    " + b for b in key_lines]
+    lines.append(f"    key = {key}")
+    lines.append("    exe = EG(key)")
+    lines.append("    if exe is None:")
+    lines.append(f"        return RT().slow_call(INFO, EXES, key, {values})")
+    lines += ["    " + b for b in alias_lines]
+    lines.append("    try:")
+    lines.append(f"        outs = exe({call_tensors}, {call_scalars})")
+    lines.append("    except Exception:")
+    lines.append(f"        return RT().slow_call(INFO, {{}}, key, {values})")
+    lines.append("    N[0] += 1")
+    if info.kind == "mutating":
+        for i, m in enumerate(info.mutable):
+            if m in mutated and mutated[m].startswith("c"):
+                lines.append(f"    {mutated[m]}.copy_(outs[{i}])")
+            elif m in mutated:
+                lines.append(f"    FC({mutated[m]}, outs[{i}])")
+            else:  # out= argument: may need a resize
+                lines.append(f"    CB({m}, outs[{i}])")
+        rets = info.returns_args
+        if info.n_returns == 0:
+            lines.append("    return None")
+        elif info.n_returns == 1:
+            lines.append(f"    return {rets[0]}")
+        else:
+            lines.append(f"    return ({', '.join(rets)},)")
+    elif info.returns_list:
+        lines.append("    return [W(o) for o in outs]")
+    elif info.n_returns == 1:
+        lines.append("    return W(outs[0])")
+    else:
+        lines.append("    return tuple([W(o) for o in outs])")
+    src = "\n".join(lines) + "\n"
+    exes: dict[Any, Executable] = {}
+    _EXES[info.qualname] = (info, exes)
+    scope: dict[str, Any] = {
+        "DF": defaults, "AG": _alias_get, "AS": alias_slow, "AL": alias, "EG": exes.get, "EXES": exes,
+        "RT": runtime, "INFO": info, "W": wrap, "N": FAST, "FC": _foreach_copy,
+        "CB": _copy_back_out,
+    }
+    exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
+    kernel: Callable[..., Any] = scope["kernel"]
+    kernel.__neuron_source__ = src  # type: ignore[attr-defined]
+    return kernel
+
+
+def _foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    torch._foreach_copy_(dst, src)
+
+
+def _copy_back_out(target: torch.Tensor, result: torch.Tensor) -> None:
+    host = alias(target)
+    if host.shape != result.shape:
+        target.resize_(result.shape)
+        host = alias(target)
+    host.copy_(result)

@@ -1,0 +1,87 @@
+"""Builds and registers one PrivateUse1 kernel per aten op, by the op's kind (see `_ops`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _dispatch, _ops, _special
+
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_kernels: dict[str, Callable[..., Any]] = {}
+_library: torch.library.Library | None = None
+
+
+def _view_kernel(info: _ops.OpInfo) -> Callable[..., Any]:
+    # The CPU kernel of a view op only computes metadata, so it runs on the neuron tensor itself and the
+    # result shares its storage.
+    handle = info.op._handle
+    keys = _CPU_KEYS
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return handle.redispatch_boxed(keys, *args, **kwargs)
+
+    return kernel
+
+
+def _host_kernel(info: _ops.OpInfo) -> Callable[..., Any]:
+    names = [a.name for a in info.args]
+    defaults = [a.default if a.has_default else None for a in info.args]
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        values = list(args) + [kwargs.get(n, d) for n, d in zip(names[len(args):], defaults[len(args):])]
+        for a, v in zip(info.args, values):
+            if a.name == "device":
+                _special.check_device(v)
+        rt = _dispatch.runtime()
+        rt.host_ops.add(info.qualname)
+        host_values = tuple(_dispatch.to_host(v) for v in values)
+        return rt.host_call(info, tuple(values), host_values)
+
+    return kernel
+
+
+def kernel_for(qualname: str) -> Callable[..., Any]:
+    k = _kernels.get(qualname)
+    if k is None:
+        if qualname in _special.KERNELS:
+            k = _special.KERNELS[qualname]
+        else:
+            info = _ops.classify(qualname)
+            if info.kind == "view":
+                k = _view_kernel(info)
+            elif info.kind == "host":
+                k = _host_kernel(info)
+            else:
+                k = _dispatch._codegen(info)
+        _kernels[qualname] = k
+    return k
+
+
+def register_all() -> int:
+    """Register a PrivateUse1 kernel for every aten op with a CPU kernel (+ the special ones)."""
+    global _library
+    if _library is not None:
+        return len(_kernels)
+    lib = torch.library.Library("aten", "IMPL")
+    names = set(_ops.cpu_ops()) | set(_special.KERNELS)
+    for qualname in sorted(names):
+        lib.impl(qualname.removeprefix("aten::"), _lazy(qualname), "PrivateUse1")
+    _library = lib
+    return len(names)
+
+
+def _lazy(qualname: str) -> Callable[..., Any]:
+    """Registered at import: builds the real kernel on first call, then calls straight through it.
+
+    Building all ~1,100 kernels up front would cost import time for ops a program never uses."""
+    cell: list[Callable[..., Any]] = []
+
+    def first(*args: Any, **kwargs: Any) -> Any:
+        if not cell:
+            cell.append(kernel_for(qualname))
+        return cell[0](*args, **kwargs)
+
+    return first

@@ -1,0 +1,225 @@
+"""Ops as data: how each aten op runs on `neuron`, decided once from its schema.
+
+Kinds:
+  view      returns an alias of an input: the CPU kernel runs on the neuron tensor itself (metadata only;
+            storage sharing, `_base` and version counters stay native). Never compiled.
+  compute   functional, returns tensors: signature -> executable.
+  mutating  in-place or out=: the functional variant's executable, then a copy into the mutated args.
+  host      runs the op itself on CPU views of the inputs. Every entry has a reason (see `host_reason`).
+  special   its own kernel in `_special.py` (allocation, copies, resizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import keyword
+from typing import Any
+
+import torch
+
+# Arg kinds (how an argument enters the key and the executable).
+TENSOR = "tensor"          # Tensor: metadata in the key, memory passed to the executable
+OPT_TENSOR = "tensor?"     # Tensor?
+TENSORS = "tensors"        # Tensor[]
+OPT_TENSORS = "tensors?"   # Tensor?[]
+SCALAR = "scalar"          # Scalar / float / complex (and optional): type in the key, value at run time
+SCALARS = "scalars"        # Scalar[] / float[]: types in the key, values at run time
+VALUE = "value"            # everything structural (ints, bools, dims, dtypes, strings): value in the key
+GENERATOR = "generator"
+OTHER = "other"            # Storage, Stream, ... never compiled
+
+# Float arguments that decide output shapes, so they must be keyed by value, not fed at run time.
+STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_d"}
+
+# Ops with a kernel of their own (see _special.py); the reason is why the generic path cannot serve them.
+SPECIAL = {
+    "aten::empty.memory_format": "allocates host memory for a neuron tensor",
+    "aten::empty_strided": "allocates host memory for a neuron tensor",
+    "aten::copy_": "copies between neuron and CPU memory",
+    "aten::_copy_from": "copies between neuron and CPU memory",
+    "aten::_copy_from_and_resize": "copies between neuron and CPU memory",
+    "aten::resize_": "grows storage with a new host buffer",
+    "aten::set_.source_Storage": "rebinds storage (metadata only)",
+    "aten::set_.source_Storage_storage_offset": "rebinds storage (metadata only)",
+    "aten::set_.source_Tensor": "rebinds storage (metadata only)",
+    "aten::set_": "rebinds storage (metadata only)",
+    "aten::convolution_overrideable": "PrivateUse1's convolution entry point; computed as aten::convolution",
+    "aten::convolution_backward_overrideable": "computed as aten::convolution_backward",
+}
+
+# Ops run on the host on purpose (not counted as fallbacks), with the reason.
+HOST = {
+    "aten::_local_scalar_dense": "returns a Python number (.item())",
+    "aten::equal": "returns a Python bool",
+    "aten::is_set_to": "returns a Python bool",
+    "aten::nonzero": "output shape depends on the data",
+    "aten::nonzero_static": "reads data on the host",
+    "aten::unique_consecutive": "output shape depends on the data",
+    "aten::_unique2": "output shape depends on the data",
+    "aten::_unique": "output shape depends on the data",
+    "aten::unique_dim": "output shape depends on the data",
+    "aten::masked_select": "output shape depends on the data",
+    "aten::_assert_async": "host-side check",
+    "aten::_assert_async.msg": "host-side check",
+    "aten::_fused_sdp_choice": "returns a Python int",
+}
+
+
+@dataclasses.dataclass
+class Arg:
+    name: str
+    kind: str
+    kwarg_only: bool
+    default: Any
+    has_default: bool
+    mutable: bool
+    optional: bool = False
+
+
+@dataclasses.dataclass
+class OpInfo:
+    qualname: str                 # "aten::add.Tensor"
+    op: Any                       # torch OpOverload
+    args: list[Arg]
+    kind: str                     # view | compute | mutating | host | special
+    reason: str = ""              # why host/special
+    functional: "OpInfo | None" = None   # for mutating: the functional variant
+    mutable: list[str] = dataclasses.field(default_factory=list)  # mutated args, in order
+    returns_args: list[str] = dataclasses.field(default_factory=list)  # mutating: the arg each return is
+    n_returns: int = 0
+    returns_list: bool = False    # returns a single Tensor[]
+
+
+def _arg_kind(a: Any) -> str:
+    t = str(a.type)
+    if t == "Tensor":
+        return TENSOR
+    if t == "Optional[Tensor]":
+        return OPT_TENSOR
+    if t == "List[Tensor]":
+        return TENSORS
+    if t == "List[Optional[Tensor]]":
+        return OPT_TENSORS
+    if "Generator" in t:
+        return GENERATOR
+    if "Storage" in t or "Stream" in t or "Tensor" in t:
+        return OTHER
+    if a.name in STRUCTURAL_FLOATS:
+        return VALUE
+    if t in ("number", "float", "complex", "Optional[number]", "Optional[float]", "Optional[complex]"):
+        return SCALAR
+    if t in ("List[number]", "List[float]", "Optional[List[float]]"):
+        return SCALARS
+    return VALUE
+
+
+def qualname_of(op: Any) -> str:
+    s = op._schema
+    return s.name + ("." + s.overload_name if s.overload_name else "")
+
+
+def _resolve(qualname: str) -> Any:
+    base, _, overload = qualname[len("aten::"):].partition(".")
+    return getattr(getattr(torch.ops.aten, base), overload or "default")
+
+
+def _signature_of(schema: Any, skip_mutable: bool) -> list[tuple[str, str]]:
+    return [(a.name, str(a.type)) for a in schema.arguments if not (skip_mutable and a.alias_info and a.alias_info.is_write)]
+
+
+def _find_functional(qualname: str, schema: Any, mutable: list[Any]) -> Any | None:
+    """The functional overload that computes what this in-place/out= op writes, or None."""
+    base, _, overload = qualname[len("aten::"):].partition(".")
+    out_style = all(a.kwarg_only for a in mutable)
+    candidates: list[tuple[str, str]] = []
+    if out_style:
+        candidates = [(base, o) for o in getattr(torch.ops.aten, base).overloads()]
+        wanted = _signature_of(schema, skip_mutable=True)
+    else:
+        if base.startswith("__i") and base.endswith("__"):
+            fbase = "__" + base[3:]
+        elif base.endswith("_"):
+            fbase = base[:-1]
+        else:
+            return None
+        if not hasattr(torch.ops.aten, fbase):
+            return None
+        candidates = [(fbase, overload or "default")]
+        wanted = [(a.name, str(a.type)) for a in schema.arguments]
+    for fbase, fov in candidates:
+        try:
+            f = getattr(getattr(torch.ops.aten, fbase), fov)
+        except AttributeError:
+            continue
+        fs = f._schema
+        if any(a.alias_info is not None for a in fs.arguments) or any(r.alias_info is not None for r in fs.returns):
+            continue
+        if [(a.name, str(a.type)) for a in fs.arguments] != wanted:
+            continue
+        n_ret = len(fs.returns)
+        if n_ret != len(mutable):
+            continue
+        for r, m in zip(fs.returns, mutable):
+            if str(r.type) != str(m.type).replace("Optional[", "").rstrip("]") and str(r.type) != str(m.type):
+                break
+        else:
+            return f
+    return None
+
+
+def _returns(schema: Any) -> tuple[int, bool, bool]:
+    """(number of returns, returns a single Tensor[], all returns are tensors)."""
+    rets = [str(r.type) for r in schema.returns]
+    all_tensors = all(r in ("Tensor", "List[Tensor]") for r in rets)
+    return len(rets), rets == ["List[Tensor]"], all_tensors
+
+
+def classify(qualname: str) -> OpInfo:
+    op = _resolve(qualname)
+    schema = op._schema
+    args = [
+        Arg(a.name, _arg_kind(a), a.kwarg_only, a.default_value if a.has_default_value() else None,
+            a.has_default_value(), bool(a.alias_info and a.alias_info.is_write),
+            str(a.type).startswith("Optional["))
+        for a in schema.arguments
+    ]
+    n_ret, ret_list, all_tensors = _returns(schema)
+    info = OpInfo(qualname, op, args, "compute", n_returns=n_ret, returns_list=ret_list)
+    mutable = [a for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    if qualname in SPECIAL:
+        info.kind, info.reason = "special", SPECIAL[qualname]
+    elif any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+        info.kind = "view"
+    elif qualname in HOST:
+        info.kind, info.reason = "host", HOST[qualname]
+    elif any(a.kind == GENERATOR for a in args):
+        info.kind, info.reason = "host", "random: draws from the CPU generator, so torch.manual_seed reproduces CPU"
+    elif any(a.kind == OTHER for a in args):
+        info.kind, info.reason = "host", "takes a storage or stream"
+    elif any(a.name == "device" for a in args) and not any(a.kind in (TENSOR, TENSORS) for a in args):
+        info.kind, info.reason = "host", "factory: fills fresh host memory"
+    elif mutable:
+        f = _find_functional(qualname, schema, mutable)
+        alias_sets = {frozenset(a.alias_info.before_set): a.name for a in mutable}
+        returns_args = [alias_sets.get(frozenset(r.alias_info.before_set)) if r.alias_info else None
+                        for r in schema.returns]
+        if f is None:
+            info.kind, info.reason = "host", "mutates its inputs and has no functional variant"
+        elif None in returns_args:
+            info.kind, info.reason = "host", "mutates its inputs and also returns fresh values"
+        else:
+            info.returns_args = [r for r in returns_args if r is not None]
+            info.kind = "mutating"
+            info.functional = classify(qualname_of(f))
+            info.mutable = [a.name for a in mutable]
+    elif not all_tensors:
+        info.kind, info.reason = "host", "returns a Python value"
+    if info.kind in ("compute", "mutating") and any(keyword.iskeyword(a.name) for a in args):
+        info.kind, info.reason = "host", "an argument name is a Python keyword"
+    return info
+
+
+def cpu_ops() -> list[str]:
+    """Every aten op with a CPU kernel: each gets a PrivateUse1 kernel."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::") and has(n, "CPU"))

@@ -1,0 +1,42 @@
+"""`TORCH_NEURONX_STATS_FILE`: write `stats()` as JSON when the process exits."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import tempfile
+
+from . import _config
+
+_installed = False
+
+
+def write(path: str) -> None:
+    from . import _dispatch
+
+    data = json.dumps(_dispatch.runtime().stats(), indent=2, sort_keys=True)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".stats-")
+    with os.fdopen(fd, "w") as f:
+        f.write(data + "\n")
+    os.replace(tmp, path)
+
+
+def _at_exit() -> None:
+    path = _config.get().stats_file
+    if path:
+        try:
+            write(path)
+        except OSError as e:  # never turn a finished job into a failure
+            import warnings
+
+            warnings.warn(f"TORCH_NEURONX_STATS_FILE: cannot write {path}: {e}", stacklevel=1)
+
+
+def install_exit_hook() -> None:
+    global _installed
+    if not _installed:
+        atexit.register(_at_exit)
+        _installed = True

@@ -1,0 +1,109 @@
+"""The `reference` tier: no compiler. The artifact is a JSON op descriptor (never pickle) that runs the
+aten op eagerly on host memory. It exercises every path of the runtime (keys, caches, envelopes) in
+milliseconds, which is what the bulk of the test suite runs on."""
+
+from __future__ import annotations
+
+import json
+import platform
+from typing import Any
+
+import torch
+
+from .. import _ops, _signature
+from ._base import CompileRefused, Compiler, Executable
+
+
+def _resolve(qualname: str) -> Any:
+    base, _, overload = qualname.removeprefix("aten::").partition(".")
+    try:
+        return getattr(getattr(torch.ops.aten, base), overload or "default")
+    except AttributeError as e:
+        raise CompileRefused(f"unknown op {qualname}") from e
+
+
+def build_call(signature: dict[str, Any], op: Any) -> Executable:
+    """A function (tensors, scalars) -> list of outputs that calls `op` with the signature's arguments.
+
+    Generated as Python source once per executable, so a call costs one op call, not a walk of the
+    signature."""
+    consts: list[Any] = []
+    pos: list[str] = []
+    kw: list[str] = []
+    ti = si = 0
+    schema_args = {a.name: a for a in op._schema.arguments}
+    for name, kind, desc in signature["args"]:
+        if kind == _ops.TENSOR:
+            expr = f"T[{ti}]"
+            ti += 1
+        elif kind == _ops.OPT_TENSOR:
+            if desc is None:
+                expr = "None"
+            else:
+                expr = f"T[{ti}]"
+                ti += 1
+        elif kind in (_ops.TENSORS, _ops.OPT_TENSORS):
+            items = []
+            for d in desc:
+                if d is None:
+                    items.append("None")
+                else:
+                    items.append(f"T[{ti}]")
+                    ti += 1
+            expr = "[" + ", ".join(items) + "]"
+        elif kind == _ops.SCALAR:
+            if desc is None:
+                expr = "None"
+            else:
+                expr = f"S[{si}]"
+                si += 1
+        elif kind == _ops.SCALARS:
+            if desc is None:
+                expr = "None"
+            else:
+                expr = f"S[{si}:{si + len(desc)}]"
+                si += len(desc)
+        elif kind == _ops.VALUE:
+            consts.append(_signature.decode_value(desc))
+            expr = f"C[{len(consts) - 1}]"
+        else:
+            raise CompileRefused(f"{signature['op']}: cannot pass argument {name} ({kind})")
+        a = schema_args.get(name)
+        if a is None:
+            raise CompileRefused(f"{signature['op']}: schema has no argument {name}")
+        (kw if a.kwarg_only else pos).append(expr if not a.kwarg_only else f"{name}={expr}")
+    n_ret = len(op._schema.returns)
+    ret_list = [str(r.type) for r in op._schema.returns] == ["List[Tensor]"]
+    call = f"OP({', '.join(pos + kw)})"
+    if ret_list:
+        body = f"return {call}"
+    elif n_ret == 1:
+        body = f"return [{call}]"
+    else:
+        body = f"return list({call})"
+    src = f"def run(T, S):\n    {body}\n"
+    scope: dict[str, Any] = {"OP": op, "C": consts}
+    exec(compile(src, f"<reference {signature['op']}>", "exec"), scope)  # noqa: S102 - our own generated source
+    run: Executable = scope["run"]
+    return run
+
+
+class ReferenceCompiler(Compiler):
+    name = "reference"
+    format_version = 1
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"tier": self.name, "format": self.format_version, "torch": torch.__version__,
+                "machine": platform.machine()}
+
+    def compile(self, signature: dict[str, Any]) -> bytes:
+        op = _resolve(signature["op"])
+        build_call(signature, op)  # refuse now, not at load time
+        return _signature.canonical({"format": "reference-v1", "signature": signature})
+
+    def load(self, payload: bytes) -> Executable:
+        desc = json.loads(payload)
+        if desc.get("format") != "reference-v1":
+            raise CompileRefused(f"not a reference-v1 descriptor: {desc.get('format')!r}")
+        sig = desc["signature"]
+        return build_call(sig, _resolve(sig["op"]))
