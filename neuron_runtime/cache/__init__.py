@@ -1,0 +1,39 @@
+"""The executable cache, below "a key and some bytes": tiers, verification, single-flight. Torch-free.
+
+    TieredCache            local tier -> fleet store -> single-flight compile   (_tiered.py)
+    LocalCache             host-private diskcache, bytes only, LRU byte cap     (_local.py)
+    SharedPathStore        shared filesystem, one file per key, O_EXCL leases   (_fsstore.py)
+    S3Store                s3://, create-only puts, conditional-put leases      (_fsstore.py)
+    open_store(url, cfg)   picks a fleet backend by URL scheme                  (_registry.py)
+
+The entry format lives in `neuron_runtime.envelope`; the backend contract in `_base.py`.
+"""
+
+from neuron_runtime.cache._base import CacheBackend, CacheError, EntryInfo, InvalidKeyError, Lease, check_key
+from neuron_runtime.cache._errors import CacheMissError, IntegrityError, StoreConfigError
+from neuron_runtime.cache._faults import CacheWarning
+from neuron_runtime.cache._fsstore import S3Store, SharedPathStore
+from neuron_runtime.cache._local import LocalCache
+from neuron_runtime.cache._memory import MemoryStore
+from neuron_runtime.cache._registry import open_store, register_scheme
+from neuron_runtime.cache._tiered import TieredCache
+
+__all__ = [
+    "CacheBackend",
+    "CacheError",
+    "CacheMissError",
+    "CacheWarning",
+    "EntryInfo",
+    "IntegrityError",
+    "InvalidKeyError",
+    "Lease",
+    "LocalCache",
+    "MemoryStore",
+    "S3Store",
+    "SharedPathStore",
+    "StoreConfigError",
+    "TieredCache",
+    "check_key",
+    "open_store",
+    "register_scheme",
+]
