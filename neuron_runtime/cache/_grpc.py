@@ -9,7 +9,8 @@ the user's step):
   1. Every operation has one deadline budget, `TORCH_NEURONX_FLEET_TIMEOUT` seconds; retries (UNAVAILABLE
      only, exponential backoff with jitter) spend from that same budget, never beyond it.
   2. When an operation still fails with UNAVAILABLE or DEADLINE_EXCEEDED, the circuit breaker opens for
-     `breaker` seconds (default 30): every call in that window answers at once (miss / skipped write).
+     `breaker` seconds (default 30): every call in that window answers at once (miss / skipped write),
+     counted as a `circuit_open` fault; `unavailable` faults count spent deadlines.
   3. After the window one call probes the server (the others keep answering at once); success closes the
      breaker, failure opens it for another window. So a dead server costs at most one deadline per window.
 Auth and other refusals are counted and warned once (FaultCounter) but do not open the breaker.
@@ -150,7 +151,12 @@ class GrpcBackend(CacheBackend):
         """Run `fn(client, remaining_seconds)` under the deadline budget, retries and breaker."""
         from cache_server import Unavailable
 
-        if self._closed or not self.breaker.allow():
+        if self._closed:
+            return default
+        if not self.breaker.allow():
+            # Answered at once without touching the network; still a miss caused by the server, so counted
+            # (its own kind: one warning, and "unavailable" keeps counting only spent deadlines).
+            self.faults.record("circuit_open", op, "the server failed recently; retrying after the breaker window")
             return default
         deadline = time.monotonic() + self.timeout_s
         attempt = 0

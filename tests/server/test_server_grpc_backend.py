@@ -136,13 +136,14 @@ def test_dead_server_costs_one_deadline_per_breaker_window() -> None:
             assert b.contains_many([k]) == set()
             assert b.try_lease(k, 10) is not None  # no answer: compile without a lease
         # Every spent deadline is one counted fault; an open breaker answers without spending one.
-        assert b.faults.counts == {"unavailable": 1}
+        assert b.faults.counts["unavailable"] == 1
+        assert b.faults.counts["circuit_open"] == 199
         assert b.breaker.trips == 1
         assert time.monotonic() - t0 < 2  # all 200 calls fit inside the first window
         time.sleep(2.1)  # window over: exactly one probe, which fails and reopens the breaker
         for _ in range(20):
             assert b.get(k) is None
-        assert b.faults.counts == {"unavailable": 2} and b.breaker.trips == 2
+        assert b.faults.counts["unavailable"] == 2 and b.breaker.trips == 2
     finally:
         hole.close()
 
@@ -150,7 +151,7 @@ def test_dead_server_costs_one_deadline_per_breaker_window() -> None:
 def test_refused_port_is_a_fast_miss() -> None:
     b = GrpcBackend(f"grpc://127.0.0.1:{free_port()}", timeout_s=5.0)
     assert b.get(key_of("x")) is None and b.put(key_of("x"), b"y") is False
-    assert b.faults.counts == {"unavailable": 1}
+    assert b.faults.counts == {"unavailable": 1, "circuit_open": 1}
 
 
 def test_job_survives_server_kill_and_recovers(server_factory: type[ServerProc]) -> None:
@@ -295,7 +296,7 @@ def test_tls_and_mtls(server_factory: type[ServerProc], tmp_path: Path) -> None:
     assert b.put(k, b"secret") and b.get(k) == b"secret"
     # Without a client certificate the handshake fails: a miss, counted.
     anon = GrpcBackend(f"grpcs://127.0.0.1:{s.port}?ca={c['ca.pem']}", timeout_s=2)
-    assert anon.get(k) is None and anon.faults.total == 1
+    assert anon.get(k) is None and anon.faults.total == 1 and anon.breaker.is_open
     # Plaintext to a TLS port: also a miss.
     plain = GrpcBackend(f"grpc://127.0.0.1:{s.port}", timeout_s=2)
     assert plain.get(k) is None
