@@ -75,6 +75,11 @@ class FleetStore(CacheBackend):
         self.url = url
         self.timeout_s = timeout_s
         self.faults = FaultCounter(self.tier, url)
+        # Circuit breaker: after a connection failure or timeout, skip the store for a while instead of
+        # paying the timeout on every op of the user's step (a down store then costs one timeout per
+        # cooldown, not one per call).
+        self.cooldown_s = max(1.0, min(30.0, 3 * timeout_s))
+        self._open_until = 0.0
 
     @staticmethod
     def relpath(key: str) -> str:
@@ -88,10 +93,16 @@ class FleetStore(CacheBackend):
         # The contract: backend trouble is a miss / skipped write, never an exception in the user's op.
         # Hence the broad except: whatever the transport raises (OSError, botocore, asyncio, fsspec
         # timeouts) is classified, counted and swallowed here, in one place.
+        if self._open_until and time.monotonic() < self._open_until:
+            self.faults.record("unavailable", op, "skipped: the store failed recently (circuit open)")
+            return default
         try:
             return fn()
         except Exception as e:  # noqa: BLE001
-            self.faults.record(classify(e), op, e)
+            kind = classify(e)
+            if kind in ("unavailable", "timeout"):
+                self._open_until = time.monotonic() + self.cooldown_s
+            self.faults.record(kind, op, e)
             log.debug("%s %s failed", self.url, op, exc_info=True)
             return default
 
@@ -454,11 +465,17 @@ class S3Store(FleetStore):
     def delete(self, key: str) -> bool:
         k = self._key(self.relpath(check_key(key)))
 
-        def remove() -> bool:
-            self._call(self.fs._call_s3, "delete_object", Bucket=self.bucket, Key=k)
+        async def remove() -> bool:
+            # DeleteObject answers 204 whether or not the object existed; HEAD tells us which.
+            try:
+                await self.fs._call_s3("head_object", Bucket=self.bucket, Key=k)
+            except FileNotFoundError:
+                return False
+            await self.fs._call_s3("delete_object", Bucket=self.bucket, Key=k)
             return True
 
-        return self._guard("delete", False, remove)
+        result: bool = self._guard("delete", False, lambda: self._call(remove))
+        return result
 
     def entries(self) -> Iterator[EntryInfo]:
         prefix = self._key(LAYOUT_VERSION + "/")

@@ -119,7 +119,7 @@ class LocalCache(CacheBackend):
         self.faults = FaultCounter(self.tier, self.directory)
         self._timeout = sqlite_timeout_s
         self._cache: diskcache.Cache | None = None
-        self._unusable = False
+        self._unusable = ""  # the fault kind that made the directory unusable
         self._open_lock = threading.Lock()
 
     @property
@@ -130,10 +130,14 @@ class LocalCache(CacheBackend):
     def locks_dir(self) -> str:
         return os.path.join(self.directory, "locks")
 
-    def _db(self) -> diskcache.Cache | None:
+    def _db(self, op: str) -> diskcache.Cache | None:
         cache = self._cache
-        if cache is not None or self._unusable:
+        if cache is not None:
             return cache
+        if self._unusable:
+            # Counted under the kind of the original failure (warned about once, at open).
+            self.faults.record(self._unusable, op, "local tier disabled")
+            return None
         with self._open_lock:
             if self._cache is not None or self._unusable:
                 return self._cache
@@ -153,14 +157,14 @@ class LocalCache(CacheBackend):
                     statistics=False,
                 )
             except (OSError, sqlite3.Error, diskcache.Timeout) as e:
-                self._unusable = True
-                self.faults.record(_kind(e), "open", e)
+                self._unusable = _kind(e)
+                self.faults.record(self._unusable, "open", e)
             return self._cache
 
     def get(self, key: str) -> bytes | None:
         """The stored bytes or None. Raises `IntegrityError("pickled")` for a pickled row (see module)."""
         check_key(key)
-        db = self._db()
+        db = self._db("get")
         if db is None:
             return None
         try:
@@ -176,7 +180,7 @@ class LocalCache(CacheBackend):
         check_key(key)
         # diskcache pickles anything that is not exactly `bytes` (bytearray, memoryview, ...).
         data = bytes(data)
-        db = self._db()
+        db = self._db("put")
         if db is None:
             return False
         try:
@@ -189,7 +193,7 @@ class LocalCache(CacheBackend):
 
     def contains_many(self, keys: Iterable[str]) -> set[str]:
         wanted = [check_key(k) for k in keys]
-        db = self._db()
+        db = self._db("contains_many")
         if db is None or not wanted:
             return set()
         found: set[str] = set()
@@ -207,7 +211,7 @@ class LocalCache(CacheBackend):
 
     def delete(self, key: str) -> bool:
         check_key(key)
-        db = self._db()
+        db = self._db("delete")
         if db is None:
             return False
         try:
@@ -217,7 +221,7 @@ class LocalCache(CacheBackend):
             return False
 
     def entries(self) -> Iterator[EntryInfo]:
-        db = self._db()
+        db = self._db("entries")
         if db is None:
             return
         try:
@@ -234,7 +238,7 @@ class LocalCache(CacheBackend):
 
     def volume(self) -> int:
         """Bytes used on disk (database + value files), as diskcache measures it for eviction."""
-        db = self._db()
+        db = self._db("volume")
         try:
             return int(db.volume()) if db is not None else 0
         except (OSError, sqlite3.Error) as e:

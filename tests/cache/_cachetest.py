@@ -19,6 +19,14 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_worker.py")
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def key_of(name: str | int) -> str:
     import hashlib
 

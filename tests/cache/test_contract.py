@@ -1,0 +1,272 @@
+"""One contract (neuron_runtime/cache/_base.py), every backend: memory, local diskcache, shared path, S3.
+
+Each backend class supplies `backend` (a fresh, working store) and `broken` (the same kind of store in a
+state where every call fails: missing bucket, closed port, a file where a directory should be).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _cachetest import free_port, key_of, make_entry  # type: ignore[import-not-found]
+
+from neuron_runtime.cache import (
+    CacheBackend,
+    CacheWarning,
+    InvalidKeyError,
+    LocalCache,
+    MemoryStore,
+    S3Store,
+    SharedPathStore,
+)
+
+BAD_KEYS = ["", "A" * 64, "a" * 63, "a" * 65, "../" + "a" * 61, "a" * 32 + "/" + "a" * 31, "g" * 64, None, 7]
+
+
+class BackendContract:
+    """The contract; subclasses provide the `backend` and `broken` fixtures."""
+
+    supports_leases = True
+
+    def test_miss_is_none(self, backend: CacheBackend) -> None:
+        assert backend.get(key_of("nothing")) is None
+
+    def test_put_then_get_returns_exact_bytes(self, backend: CacheBackend) -> None:
+        k = key_of(1)
+        data = make_entry(k, bytes(range(256)) * 600)  # > 64 KiB: diskcache stores it as a file
+        assert backend.put(k, data) is True
+        assert backend.get(k) == data
+        small = key_of(2)
+        assert backend.put(small, b"\x00small")
+        assert backend.get(small) == b"\x00small"
+
+    def test_first_writer_wins(self, backend: CacheBackend) -> None:
+        k = key_of("fww")
+        assert backend.put(k, b"first") is True
+        assert backend.put(k, b"second") is True  # existing key: a no-op that reports success
+        assert backend.get(k) == b"first"
+
+    def test_bytes_like_values_are_stored_as_bytes(self, backend: CacheBackend) -> None:
+        k = key_of("ba")
+        assert backend.put(k, bytearray(b"abc"))  # type: ignore[arg-type]
+        got = backend.get(k)
+        assert type(got) is bytes and got == b"abc"
+
+    def test_contains_many(self, backend: CacheBackend) -> None:
+        present = [key_of(f"c{i}") for i in range(5)]
+        absent = [key_of(f"x{i}") for i in range(5)]
+        for k in present:
+            backend.put(k, b"v")
+        assert backend.contains_many(present + absent) == set(present)
+        assert backend.contains_many([]) == set()
+
+    def test_delete(self, backend: CacheBackend) -> None:
+        k = key_of("del")
+        backend.put(k, b"v")
+        assert backend.delete(k) is True
+        assert backend.get(k) is None
+        assert backend.delete(k) is False
+        assert backend.put(k, b"again") and backend.get(k) == b"again"
+
+    def test_entries(self, backend: CacheBackend) -> None:
+        keys = {key_of(f"e{i}"): b"x" * (i + 1) for i in range(4)}
+        for k, v in keys.items():
+            backend.put(k, v)
+        listed = {e.key: e for e in backend.entries()}
+        assert set(listed) == set(keys)
+        for k, v in keys.items():
+            assert listed[k].size == len(v)
+            assert listed[k].mtime > 0
+
+    def test_concurrent_writers_leave_one_whole_entry(self, backend: CacheBackend) -> None:
+        k = key_of("race")
+        values = [bytes([i]) * 100_000 for i in range(8)]
+        barrier = threading.Barrier(len(values))
+        results: list[bool] = []
+
+        def write(v: bytes) -> None:
+            barrier.wait()
+            results.append(backend.put(k, v))
+
+        threads = [threading.Thread(target=write, args=(v,)) for v in values]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [True] * len(values)
+        assert backend.get(k) in values
+
+    def test_invalid_keys_never_reach_storage(self, backend: CacheBackend) -> None:
+        for bad in BAD_KEYS:
+            with pytest.raises(InvalidKeyError):
+                backend.get(bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidKeyError):
+                backend.put(bad, b"x")  # type: ignore[arg-type]
+            with pytest.raises(InvalidKeyError):
+                backend.delete(bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidKeyError):
+                backend.contains_many([key_of(1), bad])  # type: ignore[list-item]
+            if self.supports_leases:
+                with pytest.raises(InvalidKeyError):
+                    backend.try_lease(bad, 10)  # type: ignore[arg-type]
+        assert list(backend.entries()) == []
+
+    def test_lease_is_exclusive_until_released(self, backend: CacheBackend) -> None:
+        if not self.supports_leases:
+            pytest.skip("this tier has no fleet leases (host locks live in TieredCache)")
+        k = key_of("lease")
+        lease = backend.try_lease(k, 60)
+        assert lease is not None
+        assert backend.try_lease(k, 60) is None
+        lease.release()
+        lease.release()  # idempotent
+        again = backend.try_lease(k, 60)
+        assert again is not None
+        again.release()
+
+    def test_stale_lease_is_taken_over_once(self, backend: CacheBackend) -> None:
+        if not self.supports_leases:
+            pytest.skip("this tier has no fleet leases")
+        k = key_of("stale")
+        dead = backend.try_lease(k, 0.3)  # its holder "crashes": never released
+        assert dead is not None
+        time.sleep(0.5)
+        takers = [backend.try_lease(k, 60) for _ in range(3)]
+        assert sum(t is not None for t in takers) == 1
+        dead.release()  # a late release of a taken-over lease must not drop the new holder's
+        assert backend.try_lease(k, 60) is None
+        for t in takers:
+            if t is not None:
+                t.release()
+
+    def test_wait_for_sees_the_holders_entry(self, backend: CacheBackend) -> None:
+        k = key_of("wait")
+        lease = backend.try_lease(k, 60)
+        assert lease is not None
+
+        def holder() -> None:
+            time.sleep(0.2)
+            backend.put(k, b"compiled")
+            lease.release()
+
+        t = threading.Thread(target=holder)
+        t.start()
+        assert backend.wait_for(k, 30) == b"compiled"
+        t.join()
+
+    def test_wait_for_gives_up_without_a_holder(self, backend: CacheBackend) -> None:
+        # No entry and no live lease: returns None rather than sleeping out the whole timeout.
+        assert backend.wait_for(key_of("nobody"), 0.5) is None
+
+    def test_failure_is_a_miss(self, broken: CacheBackend) -> None:
+        k = key_of("broken")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert broken.get(k) is None
+            assert broken.put(k, b"v") is False
+            assert broken.put(key_of("broken2"), b"v") is False
+            assert broken.contains_many([k]) == set()
+            assert broken.delete(k) is False
+            assert list(broken.entries()) == []
+            broken.try_lease(k, 1)  # a no-op lease or None, never an exception
+            assert broken.wait_for(k, 0.2) is None
+        cache_warnings = [w for w in caught if issubclass(w.category, CacheWarning)]
+        assert cache_warnings, "a failing backend must warn"
+        # once per kind of problem, not once per call
+        assert len(cache_warnings) <= 3, [str(w.message) for w in cache_warnings]
+        faults = getattr(broken, "faults")
+        assert faults.total >= 3
+
+
+class TestMemoryStore(BackendContract):
+    @pytest.fixture
+    def backend(self) -> MemoryStore:
+        return MemoryStore()
+
+    @pytest.fixture
+    def broken(self) -> Any:
+        pytest.skip("an in-process dict cannot fail")
+
+    def test_failure_is_a_miss(self, broken: CacheBackend) -> None:  # noqa: D102
+        pass
+
+
+class TestLocalCache(BackendContract):
+    supports_leases = False
+
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> LocalCache:
+        return LocalCache(str(tmp_path / "local"), 1 << 30)
+
+    @pytest.fixture
+    def broken(self, tmp_path: Path) -> LocalCache:
+        (tmp_path / "file").write_text("not a directory")
+        return LocalCache(str(tmp_path / "file" / "local"), 1 << 30)
+
+    def test_wait_for_sees_the_holders_entry(self, backend: CacheBackend) -> None:
+        pytest.skip("the local tier has no fleet leases; host single-flight is TieredCache's flock")
+
+
+class TestSharedPathStore(BackendContract):
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> SharedPathStore:
+        return SharedPathStore(str(tmp_path / "fleet"))
+
+    @pytest.fixture
+    def broken(self, tmp_path: Path) -> SharedPathStore:
+        (tmp_path / "file").write_text("not a directory")
+        return SharedPathStore(str(tmp_path / "file" / "fleet"))
+
+    def test_layout_is_versioned_one_file_per_key(self, backend: SharedPathStore, tmp_path: Path) -> None:
+        k = key_of("layout")
+        backend.put(k, b"v")
+        path = tmp_path / "fleet" / "v1" / k[:2] / k[2:4] / f"{k}.neff"
+        assert path.read_bytes() == b"v"
+        assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
+
+    def test_crashed_writer_leaves_no_entry(self, backend: SharedPathStore, tmp_path: Path) -> None:
+        k = key_of("torn")
+        d = tmp_path / "fleet" / "v1" / k[:2] / k[2:4]
+        d.mkdir(parents=True)
+        (d / f".tmp-{k}.neff-deadbeef").write_bytes(b"half an ent")  # what a SIGKILLed writer leaves
+        assert backend.get(k) is None
+        assert [e.key for e in backend.entries()] == []
+        assert backend.put(k, b"whole") and backend.get(k) == b"whole"
+
+
+class TestS3Store(BackendContract):
+    @pytest.fixture
+    def backend(self, s3_url: str) -> S3Store:
+        return S3Store(s3_url, timeout_s=10)
+
+    @pytest.fixture
+    def broken(self, moto_s3: Any) -> S3Store:
+        # A closed port: connection refused on every call.
+        return S3Store("s3://no-such-bucket/x", timeout_s=3, endpoint_url=f"http://127.0.0.1:{free_port()}")
+
+    def test_missing_bucket_is_a_counted_fault(self, moto_s3: Any) -> None:
+        store = S3Store("s3://bucket-that-does-not-exist/x", timeout_s=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert store.get(key_of(1)) is None
+            assert store.put(key_of(1), b"v") is False
+        assert store.faults.total == 2
+
+    def test_create_only_put_uses_if_none_match(self, backend: S3Store) -> None:
+        """moto 5.2 enforces If-None-Match: a second create of the same object gets 412."""
+        import botocore.exceptions
+        import boto3
+
+        k = key_of("412")
+        assert backend.put(k, b"first")
+        client = boto3.client("s3")
+        with pytest.raises(botocore.exceptions.ClientError) as ei:
+            client.put_object(Bucket=backend.bucket, Key=f"{backend.prefix}/{backend.relpath(k)}", Body=b"x",
+                              IfNoneMatch="*")
+        assert ei.value.response["Error"]["Code"] == "PreconditionFailed"
+        assert backend.get(k) == b"first"
