@@ -23,10 +23,13 @@ def _load() -> None:
     global _loaded
     if _loaded:
         return
-    from . import _device, _kernels, _stats
+    from . import _autocast, _device, _kernels, _rnn, _shims, _stats
 
     _device.register()
     _kernels.register_all()
+    _autocast.install(_device.DEVICE)
+    _shims.install()
+    _rnn.install()
     _stats.install_exit_hook()
     _loaded = True
 

@@ -76,10 +76,25 @@ def _make_module() -> types.ModuleType:
 
     def manual_seed(seed: int) -> None:
         # neuron ops draw from the CPU generator (a pure-Python backend cannot own a Generator).
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
+
+    def manual_seed_all(seed: int) -> None:
+        """Called by torch.manual_seed, which has already seeded the CPU generator neuron ops use."""
 
     def get_amp_supported_dtype() -> list[torch.dtype]:
         return [torch.bfloat16, torch.float16]
+
+    class device:
+        """Context manager selecting a neuron device (there is only `neuron:0`)."""
+
+        def __init__(self, device: Any) -> None:
+            self.idx = _device_index(device) if device is not None else 0
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
 
     class _Utils:
         @staticmethod
@@ -94,13 +109,14 @@ def _make_module() -> types.ModuleType:
     m.is_initialized = is_initialized  # type: ignore[attr-defined]
     m._is_in_bad_fork = _is_in_bad_fork  # type: ignore[attr-defined]
     m.manual_seed = manual_seed  # type: ignore[attr-defined]
-    m.manual_seed_all = manual_seed  # type: ignore[attr-defined]
+    m.manual_seed_all = manual_seed_all  # type: ignore[attr-defined]
     m.seed = torch.seed  # type: ignore[attr-defined]
     m.initial_seed = torch.initial_seed  # type: ignore[attr-defined]
     m.get_rng_state = lambda device=None: torch.get_rng_state()  # type: ignore[attr-defined]
     m.set_rng_state = lambda state, device=None: torch.set_rng_state(state)  # type: ignore[attr-defined]
     m.get_amp_supported_dtype = get_amp_supported_dtype  # type: ignore[attr-defined]
     m._utils = _Utils  # type: ignore[attr-defined]
+    m.device = device  # type: ignore[attr-defined]
     m.__neuron_runtime__ = True  # type: ignore[attr-defined]
     return m
 

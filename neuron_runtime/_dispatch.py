@@ -110,12 +110,18 @@ def forget(t: torch.Tensor) -> None:
     _aliases.pop(id(t), None)
 
 
-def to_host(v: Any) -> Any:
-    """Replace neuron tensors in an argument (lists too) by their CPU views."""
+def to_host(v: Any, strict: bool = False) -> Any:
+    """Replace neuron tensors in an argument (lists too) by their CPU views.
+
+    `strict`: a CPU tensor (other than a 0-dim scalar) is an error, as on CUDA for compute ops."""
     if isinstance(v, torch.Tensor):
-        return alias(v) if v.device.type == DEVICE else v
+        if v.device.type == DEVICE:
+            return alias(v)
+        if strict and v.dim() != 0:
+            raise device_error(v)
+        return v
     if isinstance(v, (list, tuple)):
-        return type(v)(to_host(x) for x in v)
+        return type(v)(to_host(x, strict) for x in v)
     if isinstance(v, torch.device) and v.type == DEVICE:
         return torch.device("cpu")
     return v
@@ -222,7 +228,7 @@ class Runtime:
         f = info.functional or info
         fvalues = values if f is info else tuple(v for a, v in zip(info.args, values)
                                                  if not (a.mutable and a.kwarg_only))
-        host_values = tuple(to_host(v) for v in values)  # also raises on a CPU/neuron mix
+        host_values = tuple(to_host(v, strict=a.kind != _ops.OPT_TENSORS) for a, v in zip(info.args, values))
         if (info.qualname, key) in self.fallback_keys:
             return self.host_call(info, values, host_values)
         try:
@@ -281,15 +287,26 @@ class Runtime:
         return tuple(rets)
 
     def host_call(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...]) -> Any:
-        """Run the op itself on CPU views; outputs that are an input's view come back as that input."""
+        """Run the op itself on CPU views; outputs that are an input's view come back as that input.
+
+        out= arguments get fresh CPU tensors (the host kernel may need to resize them, which neuron
+        memory cannot do in place), then the neuron out tensors are resized and filled."""
         args, kwargs = [], {}
-        for a, v in zip(info.args, host_values):
+        outs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for a, v, h in zip(info.args, values, host_values):
+            if a.mutable and a.kwarg_only and isinstance(v, torch.Tensor) and v.device.type == DEVICE:
+                h = torch.empty(0, dtype=v.dtype)
+                outs.append((v, h))
             if a.kwarg_only:
-                kwargs[a.name] = v
+                kwargs[a.name] = h
             else:
-                args.append(v)
+                args.append(h)
         out = info.op(*args, **kwargs)
         self.counts["host_ops"] += 1
+        for target, h in outs:
+            _copy_back_out(target, h)
+        if outs:
+            host_values = tuple(next((h for t, h in outs if t is v), hv) for v, hv in zip(values, host_values))
         return rewrap(out, values, host_values, to_cpu_result=_wants_cpu(info, values))
 
 
@@ -380,6 +397,9 @@ def reset_runtime(cfg: _config.Config | None = None) -> Runtime:
 _EXES: dict[str, tuple[_ops.OpInfo, dict[Any, Executable]]] = {}
 
 
+NUMBERS = frozenset({bool, int, float, complex})
+
+
 def _tensor_key(x: str) -> str:
     return f"({x}.dtype, {x}.shape, {x}.stride())"
 
@@ -407,9 +427,12 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     for j, a in enumerate(arg for arg in info.args if arg.name in fnames and not (arg.mutable and arg.kwarg_only)):
         n, k = a.name, a.kind
         if k == _ops.TENSOR:
-            body.append(f"k{j} = {_tensor_key(n)}")
-            body.append(f"e = AG(id({n}))")
-            body.append(f"c{j} = e[0] if e is not None and e[2] == k{j} and e[1] == {n}.data_ptr() else AS({n}, k{j})")
+            # A Python number here is a "wrapped number" (`x * 2`): keyed by type, passed as is.
+            body.append(f"k{j} = {n}.__class__ if {n}.__class__ in NUM else {_tensor_key(n)}")
+            body.append(f"if k{j}.__class__ is type: c{j} = {n}")
+            body.append("else:")
+            body.append(f"    e = AG(id({n}))")
+            body.append(f"    c{j} = e[0] if e is not None and e[2] == k{j} and e[1] == {n}.data_ptr() else AS({n}, k{j})")
             key_items.append(f"k{j}")
             tens.append(f"c{j}")
             mutated[n] = f"c{j}"
@@ -440,8 +463,8 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     call_scalars = "[" + ", ".join(scal) + "]"
     # Key first, cheap: a miss needs nothing else.
     lines = [f"def kernel({sig}):"]
-    key_lines = [b for b in body if b.startswith("k")]
-    alias_lines = [b for b in body if not b.startswith("k")]
+    key_lines = [b for b in body if b.startswith("k") and " = " in b]
+    alias_lines = [b for b in body if b not in key_lines]
     lines += ["    " + b for b in key_lines]
     lines.append(f"    key = {key}")
     lines.append("    exe = EG(key)")
@@ -480,7 +503,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     scope: dict[str, Any] = {
         "DF": defaults, "AG": _alias_get, "AS": alias_slow, "AL": alias, "EG": exes.get, "EXES": exes,
         "RT": runtime, "INFO": info, "W": wrap, "N": FAST, "FC": _foreach_copy,
-        "CB": _copy_back_out,
+        "CB": _copy_back_out, "NUM": NUMBERS,
     }
     exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
     kernel: Callable[..., Any] = scope["kernel"]
@@ -489,7 +512,8 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
 
 
 def _foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    torch._foreach_copy_(dst, src)
+    if dst:  # an empty list is legal (e.g. AdamW's max_exp_avg_sqs without amsgrad)
+        torch._foreach_copy_(dst, src)
 
 
 def _copy_back_out(target: torch.Tensor, result: torch.Tensor) -> None:

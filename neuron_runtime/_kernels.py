@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -74,14 +75,22 @@ def register_all() -> int:
 
 
 def _lazy(qualname: str) -> Callable[..., Any]:
-    """Registered at import: builds the real kernel on first call, then calls straight through it.
+    """Registered at import: builds the real kernel on first call and registers it in its place.
 
-    Building all ~1,100 kernels up front would cost import time for ops a program never uses."""
-    cell: list[Callable[..., Any]] = []
+    Building all ~1,100 kernels up front costs seconds of import time for ops a program never uses;
+    calling through a trampoline would cost every later call a Python frame."""
 
     def first(*args: Any, **kwargs: Any) -> Any:
-        if not cell:
-            cell.append(kernel_for(qualname))
-        return cell[0](*args, **kwargs)
+        kernel = kernel_for(qualname)
+        if _library is not None and qualname not in _installed:
+            _installed.add(qualname)
+            with warnings.catch_warnings():
+                # PyTorch warns (once) that a kernel is overridden: that is the point here.
+                warnings.simplefilter("ignore")
+                _library.impl(qualname.removeprefix("aten::"), kernel, "PrivateUse1")
+        return kernel(*args, **kwargs)
 
     return first
+
+
+_installed: set[str] = set()

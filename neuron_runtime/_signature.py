@@ -43,6 +43,11 @@ class SignatureError(ValueError):
     """A value that cannot be part of a signature (the op then runs on the host)."""
 
 
+def is_wrapped(desc: Any) -> bool:
+    """A `tensor` argument that arrived as a Python number (its value travels in the tensor list)."""
+    return isinstance(desc, dict) and "wrapped" in desc
+
+
 def tensor_meta(t: torch.Tensor) -> dict[str, Any]:
     return {"dtype": _DTYPE_NAMES[t.dtype], "sizes": list(t.shape), "strides": list(t.stride())}
 
@@ -104,7 +109,8 @@ def build(info: _ops.OpInfo, values: tuple[Any, ...]) -> dict[str, Any]:
     for a, v in zip(info.args, values):
         k = a.kind
         if k == _ops.TENSOR:
-            d: Any = tensor_meta(v)
+            # A number in a Tensor slot is a wrapped number (`x * 2`): it stays a number at run time.
+            d: Any = {"wrapped": _scalar_type(v)} if type(v) in _TYPE_NAMES else tensor_meta(v)
         elif k == _ops.OPT_TENSOR:
             d = None if v is None else tensor_meta(v)
         elif k == _ops.TENSORS:

@@ -82,7 +82,8 @@ def build_call(signature: dict[str, Any], op: Any) -> Executable:
     else:
         body = f"return list({call})"
     src = f"def run(T, S):\n    {body}\n"
-    scope: dict[str, Any] = {"OP": op, "C": consts}
+    # The OpOverload's underlying builtin: one Python frame less per call.
+    scope: dict[str, Any] = {"OP": getattr(op, "_op", op), "C": consts}
     exec(compile(src, f"<reference {signature['op']}>", "exec"), scope)  # noqa: S102 - our own generated source
     run: Executable = scope["run"]
     return run

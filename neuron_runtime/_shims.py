@@ -1,0 +1,90 @@
+"""Patches to PyTorch for what a pure-Python PrivateUse1 backend cannot register natively.
+
+Each patch changes behaviour only for `neuron` and says why it exists:
+  * storage allocation: `torch.UntypedStorage(n, device="neuron")` would call a C++ allocator that a
+    Python backend cannot register (segfault). Used by deepcopy, torch.load(map_location=...) and
+    `Storage.to()`. Routed to host memory relabelled as neuron instead.
+  * `torch.accelerator.synchronize()`: the Python device guard cannot implement it; neuron ops run
+    synchronously, so there is nothing to wait for.
+  * pinned memory: `Tensor.pin_memory()` asks the current accelerator's hooks for a pinned allocator,
+    which a Python backend cannot provide. Neuron memory *is* host memory, so pinning is a no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _device
+
+_installed = False
+
+
+def _is_neuron(device: Any) -> bool:
+    if device is None:
+        return False
+    try:
+        return torch.device(device).type == _device.DEVICE
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _neuron_storage(nbytes: int) -> torch.UntypedStorage:
+    from ._dispatch import wrap
+
+    return wrap(torch.empty(int(nbytes), dtype=torch.uint8)).untyped_storage()
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    base_new = torch._C.StorageBase.__new__
+
+    def storage_new(cls: type, *args: Any, device: Any = None, **kwargs: Any) -> Any:
+        if not _is_neuron(device):
+            if device is None:
+                return base_new(cls, *args, **kwargs)
+            return base_new(cls, *args, device=device, **kwargs)
+        _device._device_index(device)
+        if not args and not kwargs:
+            return _neuron_storage(0)
+        if len(args) == 1 and isinstance(args[0], int) and not kwargs:
+            return _neuron_storage(args[0])
+        cpu = base_new(cls, *args, **kwargs)  # e.g. from a sequence of bytes: build on the host, then move
+        out = _neuron_storage(cpu.nbytes())
+        out.copy_(cpu)
+        return out
+
+    torch.UntypedStorage.__new__ = staticmethod(storage_new)  # type: ignore[assignment]
+
+    sync = torch.accelerator.synchronize
+
+    def accelerator_synchronize(device: Any = None, /) -> None:
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None and acc.type == _device.DEVICE:
+            if device is not None and not isinstance(device, int):
+                _device._device_index(device)
+            return
+        sync(device)
+
+    accelerator_synchronize.__doc__ = sync.__doc__
+    torch.accelerator.synchronize = accelerator_synchronize
+
+    pin = torch.Tensor.pin_memory
+    is_pinned = torch.Tensor.is_pinned
+
+    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+        if (device is None or _is_neuron(device)) and self.device.type in ("cpu", _device.DEVICE):
+            return self  # neuron memory is host memory: nothing to pin
+        return pin(self, device) if device is not None else pin(self)
+
+    def tensor_is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+        if device is None or _is_neuron(device):
+            return False
+        return bool(is_pinned(self, device))
+
+    torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+    torch.Tensor.is_pinned = tensor_is_pinned  # type: ignore[method-assign]
