@@ -154,6 +154,9 @@ class LocalCache(CacheBackend):
                     disk=_BytesOnlyDisk,
                     size_limit=self.max_size,
                     eviction_policy="least-recently-used",
+                    # diskcache evicts in batches of cull_limit (default 10) once over the cap, which
+                    # on a small cap throws out hot entries too; evict one at a time instead.
+                    cull_limit=1,
                     statistics=False,
                 )
             except (OSError, sqlite3.Error, diskcache.Timeout) as e:
@@ -185,11 +188,22 @@ class LocalCache(CacheBackend):
             return False
         try:
             # `add` is a no-op when the key exists: first writer wins, atomically (one SQLite transaction).
-            db.add(key, data, retry=True)
+            if db.add(key, data, retry=True):
+                self._enforce_cap(db)
             return True
         except (OSError, sqlite3.Error, diskcache.Timeout) as e:
             self.faults.record(_kind(e), "put", e)
             return False
+
+    def _enforce_cap(self, db: diskcache.Cache) -> None:
+        """Evict least-recently-used entries until the volume is under the cap (bounded: 1,000 rows)."""
+        for _ in range(1000):
+            if db.volume() <= self.max_size:
+                return
+            row = db._sql("SELECT key FROM Cache WHERE raw = 1 ORDER BY access_time LIMIT 1").fetchone()  # noqa: SLF001
+            if row is None:
+                return
+            db.delete(row[0], retry=True)
 
     def contains_many(self, keys: Iterable[str]) -> set[str]:
         wanted = [check_key(k) for k in keys]

@@ -90,3 +90,59 @@ def wait_until(cond: Callable[[], bool], timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached")
         time.sleep(0.02)
+
+
+NOBODY = 65534
+
+
+def fork_call(fn: Callable[[], Any], *, unprivileged: bool = False, fsize: int | None = None) -> Any:
+    """Run `fn` in a forked child and return its JSON-able result (the child's exceptions re-raised as
+    AssertionError). `unprivileged`: the child drops to uid/gid 65534 when running as root, so
+    permission bits apply (root ignores them). `fsize`: RLIMIT_FSIZE in the child, a "full disk"."""
+    import resource
+    import signal
+    import traceback
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            os.close(r)
+            if unprivileged and os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+            if fsize is not None:
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+                resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+            out = json.dumps({"ok": fn()})
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            out = json.dumps({"error": traceback.format_exc()})
+            code = 1
+        with os.fdopen(w, "w") as f:
+            f.write(out)
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        raw = f.read()
+    os.waitpid(pid, 0)
+    res = json.loads(raw)
+    if "error" in res:
+        raise AssertionError("child failed:\n" + res["error"])
+    return res["ok"]
+
+
+def shared_tmp() -> Path:
+    """A temp dir that uid 65534 can traverse (pytest's tmp_path is 0o700 for root)."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="nrx-cache-"))
+    d.chmod(0o755)
+    return d
+
+
+# Protocol-0 pickle, written by hand (no pickle import): unpickling it calls open(path, "w"), creating
+# `path`. If the file ever appears, something unpickled the row.
+def evil_pickle(path: Path) -> bytes:
+    return b"c__builtin__\nopen\n(V" + str(path).encode() + b"\nVw\ntR."
