@@ -6,6 +6,9 @@ Each patch changes behaviour only for `neuron` and says why it exists:
     `Storage.to()`. Routed to host memory relabelled as neuron instead.
   * `torch.accelerator.synchronize()`: the Python device guard cannot implement it; neuron ops run
     synchronously, so there is nothing to wait for.
+  * `torch.utils.swap_tensors` (used by `nn.Module.to` to keep Parameter identity) refuses tensors
+    with weakrefs; the runtime's CPU-view cache holds one per neuron tensor. The cache entries are
+    dropped first (they are re-derived on next use).
   * pinned memory: `Tensor.pin_memory()` asks the current accelerator's hooks for a pinned allocator,
     which a Python backend cannot provide. Neuron memory *is* host memory, so pinning is a no-op.
 """
@@ -85,6 +88,18 @@ def install() -> None:
         if device is None or _is_neuron(device):
             return False
         return bool(is_pinned(self, device))
+
+    swap = torch.utils.swap_tensors
+
+    def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        from ._dispatch import forget
+
+        forget(t1)
+        forget(t2)
+        swap(t1, t2)
+
+    swap_tensors.__doc__ = swap.__doc__
+    torch.utils.swap_tensors = swap_tensors
 
     torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
     torch.Tensor.is_pinned = tensor_is_pinned  # type: ignore[method-assign]

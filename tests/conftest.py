@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -14,6 +15,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# The bulk of the suite runs on the `reference` tier (no compiler); `aoti` tests opt in explicitly. A
+# private local cache keeps tests off the user's ~/.cache. Set before any test imports torch.
+os.environ.setdefault("TORCH_NEURONX_COMPILER", "reference")
+os.environ.setdefault("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
+                      tempfile.mkdtemp(prefix="neuron-test-cache-"))
 
 
 def free_port() -> int:

@@ -1,0 +1,60 @@
+"""Helpers for the runtime tests: run a computation on CPU and on `neuron`, compare."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import neuron_runtime
+from neuron_runtime import _config, _dispatch
+
+DEV = "neuron"
+
+
+def to_dev(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(DEV)
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_dev(v) for v in x)
+    return x
+
+
+def assert_same(cpu: Any, dev: Any, **kw: Any) -> None:
+    """`dev` (from neuron) equals `cpu`, tensors compared on the host, structure and dtypes included."""
+    if isinstance(cpu, torch.Tensor):
+        assert isinstance(dev, torch.Tensor), type(dev)
+        assert dev.device.type == DEV, dev.device
+        assert dev.dtype == cpu.dtype
+        torch.testing.assert_close(dev.cpu(), cpu, **kw)
+    elif isinstance(cpu, (list, tuple)):
+        assert len(cpu) == len(dev)
+        for c, d in zip(cpu, dev):
+            assert_same(c, d, **kw)
+    else:
+        assert cpu == dev
+
+
+@pytest.fixture
+def fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[_dispatch.Runtime]:
+    """A runtime with empty in-process caches and counters (config re-read from the environment)."""
+    rt = _dispatch.reset_runtime()
+    yield rt
+    monkeypatch.undo()
+    _dispatch.reset_runtime()
+
+
+def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter (another process is what 'import torch alone' means)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
+                          timeout=timeout)
+
+
+_ = (neuron_runtime, _config)
