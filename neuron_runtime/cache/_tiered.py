@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 STAT_KEYS = ("misses", "compiles", "corrupt", "fleet_errors", "writes_skipped", "lease_waits")
 #: `get`/`get_or_compile` report where the entry came from: a tier name, or one of these.
 MISS, COMPILED, WAITED = "miss", "compiled", "waited"
+_FAILED: Any = object()  # sentinel: a backend call raised
 
 
 class TieredCache:
@@ -279,9 +280,13 @@ class TieredCache:
         fleet, ttl = self.fleet, self.cfg.lease_ttl_s
         deadline = time.monotonic() + ttl
         counted = False
+        delay = 0.05
         while True:
-            lease: Lease | None = self._safe("fleet", "lease", lambda: fleet.try_lease(key, ttl), None)
+            lease = self._safe("fleet", "lease", lambda: fleet.try_lease(key, ttl), _FAILED)
+            if lease is _FAILED:
+                return None  # the store cannot hold leases right now: compile without one
             if lease is not None:
+                assert isinstance(lease, Lease)
                 # The previous holder may have finished between our lookup and our lease.
                 got = self._read("fleet", fleet, key)
                 if got is None:
@@ -296,13 +301,20 @@ class TieredCache:
                 self._warn("lease-timeout", "neuron-runtime: waited %.0f s for another host to compile %s; "
                            "compiling it here", ttl, key)
                 return None
-            data = self._safe("fleet", "wait_for", lambda: fleet.wait_for(key, left), None)
+            started = time.monotonic()
+            data = self._safe("fleet", "wait_for", lambda: fleet.wait_for(key, left), _FAILED)
+            if data is _FAILED:
+                return None
             if data is not None:
                 try:
                     return self._fleet_hit(key, self._verify(key, data), data)
                 except IntegrityError as e:
                     self._quarantine("fleet", fleet, key, e)
                     return None
+            if time.monotonic() - started < delay:
+                # wait_for came back at once (the lease just changed hands): don't spin on try_lease.
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 1.0)
 
     def _fleet_hit(self, key: str, entry: envelope.Entry, data: bytes) -> tuple[envelope.Entry, str]:
         self._count("hits", "fleet")
