@@ -56,4 +56,8 @@ def reset() -> None:
     _dispatch.reset_runtime()
 
 
+# Importing torch here (not first inside `_load`) matters when a program imports this package before
+# torch: torch's own start-up then calls `_autoload` once, with every submodule importable.
+import torch  # noqa: E402
+
 _load()

@@ -1,0 +1,204 @@
+"""The dispatch path: signatures, in-memory executables, fallbacks, counters."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import neuron_runtime
+from neuron_runtime import _dispatch, _kernels, _signature
+from neuron_runtime.compiler import CompileRefused
+from neuron_runtime.compiler._reference import ReferenceCompiler
+from rt_helpers import DEV, assert_same, run_python
+
+
+class RefusingCompiler(ReferenceCompiler):
+    """The reference tier, refusing the ops named (what a real compiler does for ops it cannot lower)."""
+
+    def __init__(self, refuse: set[str]) -> None:
+        self.refuse = refuse
+
+    def compile(self, signature: dict[str, Any]) -> bytes:
+        if signature["op"] in self.refuse:
+            raise CompileRefused(f"{signature['op']} is not supported by this compiler")
+        return super().compile(signature)
+
+
+class BrokenCompiler(ReferenceCompiler):
+    """Artifacts whose executable raises (a miscompiled executable)."""
+
+    def load(self, payload: bytes):  # type: ignore[no-untyped-def]
+        def broken(tensors, scalars):  # type: ignore[no-untyped-def]
+            raise RuntimeError("executable crashed")
+
+        return broken
+
+
+def _train(device: str, steps: int, seed: int = 0) -> tuple[list[float], torch.nn.Module]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # a new lr every step
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=g).to(device)
+        y = torch.randint(0, 4, (16,), generator=g).to(device)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+def test_training_loop_matches_cpu_step_by_step(fresh_runtime: _dispatch.Runtime) -> None:
+    cpu_losses, cpu_model = _train("cpu", 8)
+    dev_losses, dev_model = _train(DEV, 8)
+    for c, d in zip(cpu_losses, dev_losses):
+        assert d == pytest.approx(c, rel=1e-5, abs=1e-6)
+    for pc, pd in zip(cpu_model.parameters(), dev_model.parameters()):
+        assert_same(pc, pd, atol=1e-5, rtol=1e-5)
+    s = neuron_runtime.stats()
+    assert s["executions"] > 100 and s["fallbacks"] == 0 and s["fallback_ops"] == []
+
+
+def test_signatures_stop_growing_after_the_first_steps(fresh_runtime: _dispatch.Runtime) -> None:
+    counts = []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)
+    x, y = torch.randn(16, 8, device=DEV), torch.randint(0, 4, (16,), device=DEV)
+    for _ in range(50):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+        counts.append(neuron_runtime.stats()["compiles"])
+    assert counts[2] > 0
+    assert counts[-1] == counts[2], counts  # learning rates and bias corrections are run-time scalars
+    assert neuron_runtime.stats()["hits"]["memory"] > 10 * counts[-1]
+
+
+def test_scalars_are_keyed_by_type_structure_by_value(fresh_runtime: _dispatch.Runtime) -> None:
+    x = torch.randn(4, device=DEV)
+    start = neuron_runtime.stats()["compiles"]
+    for alpha in (0.5, 1.5, 2.5):
+        torch.add(x, x, alpha=alpha)
+    assert neuron_runtime.stats()["compiles"] == start + 1
+    torch.add(x, x, alpha=2)  # an int alpha is another signature (1 vs 1.0 matter)
+    assert neuron_runtime.stats()["compiles"] == start + 2
+    x.sum(0)
+    x.sum(0, keepdim=True)  # a structural flag is part of the key
+    assert neuron_runtime.stats()["compiles"] == start + 4
+    assert_same(torch.arange(4.0) * 3, torch.arange(4.0, device=DEV) * 3)  # wrapped number
+
+
+def test_signature_json_is_canonical_and_typed() -> None:
+    info = _kernels._ops.classify("aten::add.Tensor")
+    a = torch.ones(2, 3)
+    sig = _signature.build(info, (a, a.t().contiguous().t(), 1.0))
+    assert sig["op"] == "aten::add.Tensor"
+    assert sig["args"][0] == ["self", "tensor", {"dtype": "float32", "sizes": [2, 3], "strides": [3, 1]}]
+    assert sig["args"][1][2]["strides"] == [1, 2]
+    assert sig["args"][2] == ["alpha", "scalar", "float"]
+    assert _signature.encode_value([1, 1.0, True, torch.float16]) == [1, 1.0, True, {"dtype": "float16"}]
+    fp = {"tier": "reference"}
+    k1 = _signature.cache_key(sig, fp)
+    assert k1 == _signature.cache_key(json.loads(json.dumps(sig)), dict(fp)) and len(k1) == 64
+    assert k1 != _signature.cache_key(sig, {"tier": "aoti"})
+
+
+def test_fallback_warns_once_per_op_and_lists_it(fresh_runtime: _dispatch.Runtime) -> None:
+    fresh_runtime.compiler = RefusingCompiler({"aten::mul.Tensor"})
+    a, b = torch.randn(3), torch.randn(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            r = torch.mul(a.to(DEV), b.to(DEV))
+            torch.mul(torch.randn(2, device=DEV), 2.0)  # another signature of the same op
+    mine = [w for w in caught if "aten::mul.Tensor runs on the host" in str(w.message)]
+    assert len(mine) == 1 and issubclass(mine[0].category, UserWarning)
+    assert_same(a * b, r)
+    assert neuron_runtime.fallback_ops() == ["aten::mul.Tensor"]
+    assert neuron_runtime.stats()["fallback_ops"] == ["aten::mul.Tensor"]
+
+
+def test_fallback_off_raises_with_op_and_signature(fresh_runtime: _dispatch.Runtime,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_NEURONX_FALLBACK", "0")
+    rt = _dispatch.reset_runtime()
+    rt.compiler = BrokenCompiler()
+    with pytest.raises(_dispatch.FallbackDisabledError, match=r"aten::sub\.Tensor.*signature.*float32"):
+        torch.sub(torch.randn(3, device=DEV), 1.0)
+
+
+def test_broken_executable_falls_back_with_correct_results(fresh_runtime: _dispatch.Runtime) -> None:
+    fresh_runtime.compiler = BrokenCompiler()
+    a = torch.randn(5)
+    with pytest.warns(UserWarning, match="executable failed"):
+        r = torch.sin(a.to(DEV))
+    assert_same(torch.sin(a), r)
+    assert "aten::sin" in neuron_runtime.fallback_ops()
+
+
+def test_user_errors_are_not_fallbacks(fresh_runtime: _dispatch.Runtime) -> None:
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        torch.mm(torch.ones(2, 3, device=DEV), torch.ones(2, 3, device=DEV))
+    assert neuron_runtime.fallback_ops() == []
+
+
+def test_views_never_compile(fresh_runtime: _dispatch.Runtime) -> None:
+    x = torch.randn(4, 6, device=DEV)
+    before = neuron_runtime.stats()["compiles"]
+    x.view(6, 4).t()[1:].transpose(0, 1).unsqueeze(0).expand(3, -1, -1).select(0, 1)
+    assert neuron_runtime.stats()["compiles"] == before
+
+
+def test_stale_cpu_view_is_never_used(fresh_runtime: _dispatch.Runtime) -> None:
+    """In-place metadata changes and `.data =` keep the data pointer: the view cache must notice."""
+    x = torch.arange(6.0, device=DEV)
+    (x + 1)  # caches x's CPU view
+    x.data = x.data.view(2, 3)
+    assert_same(torch.arange(6.0).view(2, 3) + 1, x + 1)
+    x.t_()
+    assert_same(torch.arange(6.0).view(2, 3).t() * 2, x * 2)
+    x.unsqueeze_(0)
+    assert_same(torch.arange(6.0).view(2, 3).t().unsqueeze(0).sum(1), x.sum(1))
+
+
+def test_no_memory_held_after_tensors_die(fresh_runtime: _dispatch.Runtime) -> None:
+    import gc
+
+    gc.collect()
+    base = len(_dispatch._aliases)
+    for _ in range(200):
+        a = torch.randn(1000, device=DEV)
+        b = (a * 2).relu()
+        b.sum().item()
+    del a, b
+    gc.collect()
+    assert len(_dispatch._aliases) <= base + 2
+
+
+def test_stats_file_written_at_exit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "stats.json"
+    r = run_python("import torch\n(torch.ones(3, device='neuron') + 1).cpu()\n",
+                   env={"TORCH_NEURONX_STATS_FILE": str(path)})
+    assert r.returncode == 0, r.stderr
+    s = json.loads(path.read_text())
+    assert s["executions"] >= 1 and s["compiles"] >= 1 and "memory" in s["hits"]
+    for k in ("executions", "compiles", "fallbacks", "corrupt"):
+        assert isinstance(s[k], int)
+
+
+def test_collect_env() -> None:
+    r = run_python("import runpy; runpy.run_module('neuron_runtime.collect_env', run_name='__main__')")
+    assert r.returncode == 0, r.stderr
+    assert "torch" in r.stdout and "neuron" in r.stdout and "TORCH_NEURONX_COMPILER" in r.stdout
