@@ -158,10 +158,7 @@ class CacheClient:
 
     def lookup(self, keys: Sequence[str], timeout: float | None = None) -> list[bool]:
         """For each key, in order, whether the server has it (one round trip)."""
-        try:
-            digests = b"".join(bytes.fromhex(check_key(k)) for k in keys)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from e
+        digests = _digests(keys)
         resp = self._call(self._lookup, pb.LookupRequest(digests=digests).SerializeToString(), timeout)
         present = pb.LookupResponse.FromString(resp).present
         if len(present) != len(keys):
@@ -209,6 +206,23 @@ class CacheClient:
         except grpc.RpcError as e:
             raise _error(e) from None
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+def _digests(keys: Sequence[str]) -> bytes:
+    """Keys → concatenated 32-byte digests, validated in bulk: per-key checks (or one regex over the joined
+    text) were most of a 1,000-key lookup's time. `fromhex(...).hex() == text` holds only for lowercase hex
+    without whitespace, and every key must be 64 characters long."""
+    raw: bytes | None
+    try:
+        joined = "".join(keys)
+        raw = bytes.fromhex(joined)
+    except (TypeError, ValueError):
+        raw = None
+    if raw is None or raw.hex() != joined or not set(map(len, keys)) <= {64}:
+        for k in keys:
+            check_key(k)  # raises InvalidKey naming the first bad one
+        raise InvalidRequest("invalid keys")  # pragma: no cover - check_key raised above
+    return raw
 
 
 def _chunks(data: bytes) -> Iterator[bytes]:

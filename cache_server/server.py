@@ -197,7 +197,7 @@ class CacheService:
         if n > _MAX_LOOKUP_KEYS:
             raise TooLarge(f"{n} keys in one lookup; at most {_MAX_LOOKUP_KEYS}")
         hexed = digests.hex()
-        keys = [hexed[64 * i: 64 * i + 64] for i in range(n)]
+        keys = [hexed[i:i + 64] for i in range(0, 64 * n, 64)]
         present = await self.storage.contains_many(keys)
         self.metrics.inc("neuron_cache_lookup_keys_total", n)
         return pb.LookupResponse(present=bytes(present)).SerializeToString()
