@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import _config, _ops, _signature
+from .cache import CacheMissError, IntegrityError, TieredCache
 from ._hostmem import to_cpu, to_neuron
 from .compiler import CompileRefused, Compiler, Executable, get_compiler
 
@@ -39,10 +40,6 @@ class NeuronRuntimeError(RuntimeError):
 
 class FallbackDisabledError(NeuronRuntimeError):
     """An op could not be compiled and TORCH_NEURONX_FALLBACK=0 forbids running it on the host."""
-
-
-class CacheMissError(NeuronRuntimeError):
-    """TORCH_NEURONX_CACHE_MODE=strict and an op signature has no cached executable."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,24 +149,41 @@ class Runtime:
         self.fallback_ops: dict[str, str] = {}   # op name -> reason (first seen)
         self.host_ops: set[str] = set()
         FAST[0] = 0
-        self.counts: dict[str, int] = {"executions": 0, "compiles": 0, "fallbacks": 0, "corrupt": 0,
-                                       "misses": 0, "host_ops": 0, "loads": 0}
-        self.hits: dict[str, int] = {"memory": 0}
-        self.cache: Any = None  # TieredCache, attached by the cache layer when configured
+        # One dict of counters, shared with the TieredCache (which adds hits["local"/"fleet"], misses,
+        # compiles, corrupt, fleet_errors, writes_skipped, lease_waits).
+        self.counts: dict[str, Any] = {"executions": 0, "compiles": 0, "fallbacks": 0, "corrupt": 0,
+                                       "misses": 0, "host_ops": 0, "loads": 0, "hits": {"memory": 0}}
+        self._cache: TieredCache | None = None
+        self._cache_opened = False
         self.recorder: Callable[[dict[str, Any], str], None] | None = None
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        s: dict[str, Any] = dict(self.counts)
+        with self.lock:
+            s: dict[str, Any] = dict(self.counts)
+            hits = dict(self.counts["hits"])
         s["executions"] += FAST[0]
-        hits = dict(self.hits)
         hits["memory"] += FAST[0]
         s["hits"] = hits
         s["fallback_ops"] = sorted(self.fallback_ops)
         s["compiler"] = self.compiler.name
-        if self.cache is not None and hasattr(self.cache, "stats"):
-            s["cache"] = self.cache.stats()
         return s
+
+    @property
+    def cache(self) -> TieredCache | None:
+        """The persistent tiers (local disk, fleet store), opened on first use. None if they cannot be
+        opened at all: then every op still runs, compiling in memory (one warning)."""
+        if not self._cache_opened:
+            with self.lock:
+                if not self._cache_opened:
+                    try:
+                        self._cache = TieredCache.from_config(self.cfg, self.counts)
+                    except Exception as e:  # noqa: BLE001 - a cache problem never fails an op
+                        warnings.warn(f"neuron: executable cache unavailable ({type(e).__name__}: {e}); "
+                                      "compiling in memory only", UserWarning, stacklevel=2)
+                        self._cache = None
+                    self._cache_opened = True
+        return self._cache
 
     # -- executables ------------------------------------------------------------------------------
     def executable(self, info: _ops.OpInfo, values: tuple[Any, ...]) -> tuple[Executable, dict[str, Any]]:
@@ -182,7 +196,6 @@ class Runtime:
         with self.lock:
             exe = self.by_digest.get(digest)
             if exe is None:
-                self.counts["misses"] += 1
                 exe = self._load_or_compile(digest, sig)
                 self.by_digest[digest] = exe
                 if self.recorder is not None:
@@ -190,20 +203,51 @@ class Runtime:
         return exe, sig
 
     def _load_or_compile(self, digest: str, sig: dict[str, Any]) -> Executable:
-        if self.cache is not None:
-            payload = self.cache.get_or_compile(digest, sig, self._compile_payload)
-            self.counts["loads"] += 1
+        cache = self.cache
+        if cache is None:
+            self.counts["misses"] += 1
+            if self.cfg.cache_mode == "strict":
+                raise CacheMissError(digest, self._strict_message(digest, sig))
+            payload = self.compiler.compile(sig)
+            self.counts["compiles"] += 1
             return self.compiler.load(payload)
-        if self.cfg.cache_mode == "strict":
-            raise CacheMissError(f"strict cache mode: no executable for {sig['op']} (key {digest}); "
-                                 f"signature {_signature.canonical(sig).decode()}")
-        return self.compiler.load(self._compile_payload(sig))
 
-    def _compile_payload(self, sig: dict[str, Any]) -> bytes:
-        log.info("compiling %s", sig["op"])
-        payload = self.compiler.compile(sig)
-        self.counts["compiles"] += 1
-        return payload
+        def compile_entry() -> bytes:
+            log.info("compiling %s", sig["op"])
+            return cache.pack(digest, {"signature": sig, "fingerprint": self.fingerprint},
+                              self.compiler.compile(sig))
+
+        try:
+            entry, where = cache.get_or_compile(digest, compile_entry)
+        except CacheMissError as e:
+            raise CacheMissError(digest, self._strict_message(digest, sig)) from e
+        try:
+            exe = self.compiler.load(entry.payload)
+        except CompileRefused:
+            raise
+        except Exception as e:  # noqa: BLE001
+            if where == "compiled":
+                raise
+            # Verified bytes that still do not load (e.g. built for another host): never run them;
+            # drop them and compile here.
+            self.counts["corrupt"] += 1
+            warnings.warn(f"neuron: cached executable {digest} for {sig['op']} does not load here "
+                          f"({type(e).__name__}: {e}); recompiling", UserWarning, stacklevel=2)
+            if cache.writable:
+                for _, backend in cache.tiers:
+                    backend.delete(digest)
+            data = compile_entry()
+            self.counts["compiles"] += 1
+            cache.put(digest, data)
+            exe = self.compiler.load(cache._verify(digest, data).payload)
+        self.counts["loads"] += 1
+        return exe
+
+    @staticmethod
+    def _strict_message(digest: str, sig: dict[str, Any]) -> str:
+        return (f"strict cache mode (TORCH_NEURONX_CACHE_MODE=strict): no cached executable for "
+                f"{sig['op']} (key {digest}); warm the cache with `neuron-cache warm -- <job>`. "
+                f"Signature: {_signature.canonical(sig).decode()}")
 
     # -- fallbacks --------------------------------------------------------------------------------
     def note_fallback(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any] | None, why: str) -> None:
@@ -230,18 +274,18 @@ class Runtime:
                                                  if not (a.mutable and a.kwarg_only))
         host_values = tuple(to_host(v, strict=a.kind != _ops.OPT_TENSORS) for a, v in zip(info.args, values))
         if (info.qualname, key) in self.fallback_keys:
-            return self.host_call(info, values, host_values)
+            return self.host_call(info, values, host_values, fallback=True)
         try:
             exe, sig = self.executable(f, fvalues)
         except (CompileRefused, _signature.SignatureError) as e:
             self.note_fallback(info, key, None, str(e))
-            return self.host_call(info, values, host_values)
-        except CacheMissError:
+            return self.host_call(info, values, host_values, fallback=True)
+        except (CacheMissError, IntegrityError):
             raise
         except Exception as e:  # noqa: BLE001 - a failed compile is a fallback, not a user error
             log.debug("compile of %s failed", info.qualname, exc_info=True)
             self.note_fallback(info, key, None, f"compile failed: {type(e).__name__}: {e}")
-            return self.host_call(info, values, host_values)
+            return self.host_call(info, values, host_values, fallback=True)
         tensors, scalars = flatten(f, host_values if f is info else
                                    tuple(v for a, v in zip(info.args, host_values)
                                          if not (a.mutable and a.kwarg_only)))
@@ -250,10 +294,11 @@ class Runtime:
         except Exception as e:  # noqa: BLE001
             # Either the op is invalid for these inputs (the host raises the user's error) or the
             # executable is broken (the host succeeds, and this key falls back from now on).
-            result = self.host_call(info, values, host_values)
+            result = self.host_call(info, values, host_values, fallback=True)
             self.note_fallback(info, key, sig, f"executable failed: {type(e).__name__}: {e}")
             return result
-        self.counts["executions"] += 1
+        with self.lock:
+            self.counts["executions"] += 1
         result = self.finish(info, values, host_values, list(outs))
         exes[key] = exe
         return result
@@ -286,7 +331,8 @@ class Runtime:
             return rets[0]
         return tuple(rets)
 
-    def host_call(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...]) -> Any:
+    def host_call(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
+                  fallback: bool = False) -> Any:
         """Run the op itself on CPU views; outputs that are an input's view come back as that input.
 
         out= arguments get fresh CPU tensors (the host kernel may need to resize them, which neuron
@@ -302,7 +348,8 @@ class Runtime:
             else:
                 args.append(h)
         out = info.op(*args, **kwargs)
-        self.counts["host_ops"] += 1
+        with self.lock:
+            self.counts["fallbacks" if fallback else "host_ops"] += 1
         for target, h in outs:
             _copy_back_out(target, h)
         if outs:
