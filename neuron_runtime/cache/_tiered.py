@@ -11,7 +11,8 @@
       (`lock_timeout_s`);
    b. per host: a per-key `flock` in the local cache directory (`lock_timeout_s`; a dead holder's lock
       is dropped by the kernel);
-   c. per fleet: the store's lease (`lease_ttl_s`); others `wait_for` the entry, then load it.
+   c. per fleet: the store's lease; others `wait_for` the entry, then load it. A dead holder's lease
+      is taken over after `lease_ttl_s`; the whole wait is bounded by `max(lock_timeout_s, lease_ttl_s)`.
    After each wait the tiers are checked again; when a wait runs out, the waiter compiles itself.
 3. Compile, verify the new entry, and write it through to every tier (not in `readonly` mode).
 
@@ -274,11 +275,15 @@ class TieredCache:
                 host_lock.release()
 
     def _fleet_lease(self, key: str) -> Lease | tuple[envelope.Entry, str] | None:
-        """Take the fleet lease for `key`, or wait (bounded by `lease_ttl_s`) for its holder's entry.
-        Returns the lease, the entry (someone else compiled it), or None (compile without a lease)."""
+        """Take the fleet lease for `key`, or wait for its holder's entry. Returns the lease, the entry
+        (someone else compiled it), or None (compile without a lease).
+
+        A dead holder's lease goes stale after `lease_ttl_s` and one waiter takes it over; the whole
+        wait is bounded by `max(lock_timeout_s, lease_ttl_s)` even if holders keep changing."""
         assert self.fleet is not None
         fleet, ttl = self.fleet, self.cfg.lease_ttl_s
-        deadline = time.monotonic() + ttl
+        bound = max(self.cfg.lock_timeout_s, ttl)
+        deadline = time.monotonic() + bound
         counted = False
         delay = 0.05
         while True:
@@ -299,7 +304,7 @@ class TieredCache:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._warn("lease-timeout", "neuron-runtime: waited %.0f s for another host to compile %s; "
-                           "compiling it here", ttl, key)
+                           "compiling it here", bound, key)
                 return None
             started = time.monotonic()
             data = self._safe("fleet", "wait_for", lambda: fleet.wait_for(key, left), _FAILED)

@@ -53,12 +53,26 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def start_workers(n: int, spec: dict[str, Any], tmp: Path, env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
     """Start `n` worker processes ("hosts", each with its own local tier) held at a start barrier;
     `release(tmp)` lets them all go at once."""
+    tmp.mkdir(parents=True, exist_ok=True)
     procs = []
     for i in range(n):
         s = dict(spec, local_dir=str(tmp / f"host{i}"), name=f"host{i}", go=str(tmp / "go"))
         procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(s)], env=worker_env(env),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO)))
+    STARTED.extend(procs)
     return procs
+
+
+#: every worker started by this test process, so a failing test's workers can be killed at teardown.
+STARTED: list[subprocess.Popen[str]] = []
+
+
+def kill_started() -> None:
+    while STARTED:
+        p = STARTED.pop()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
 
 
 def release(tmp: Path) -> None:

@@ -8,6 +8,7 @@ Prints one JSON line: the stats dict and where each key came from.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -33,7 +34,7 @@ def main() -> int:
         local_cache_dir=spec["local_dir"],
         cache_dir=spec["store"],
         lease_ttl_s=float(spec.get("lease_ttl_s", 60.0)),
-        lock_timeout_s=60.0,
+        lock_timeout_s=float(spec.get("lock_timeout_s", 60.0)),
         fleet_timeout_s=5.0,
         single_flight=bool(spec.get("single_flight", True)),
         signing_key=spec["signing_key"].encode() if spec.get("signing_key") else None,
@@ -56,7 +57,13 @@ def main() -> int:
 
         return compile_fn
 
+    # Connect before the barrier (s3fs builds its client on first use), so the hosts race on the keys.
+    assert cache.fleet is not None
+    cache.fleet.get("0" * 64)
+    deadline = time.monotonic() + 120  # never outlive a test that failed before releasing us
     while not os.path.exists(spec["go"]):
+        if time.monotonic() > deadline:
+            return 3
         time.sleep(0.005)
     sources = {}
     with warnings.catch_warnings():
@@ -66,7 +73,11 @@ def main() -> int:
             assert entry.payload == f"payload {key}".encode(), entry.payload
             sources[key] = source
     assert "torch" not in sys.modules, "the cache layer imported torch"
-    print(json.dumps({"stats": stats, "sources": sources}))
+    fleet = cache.fleet
+    assert fleet is not None
+    # What the shared store holds for each key, as this host sees it (racing writers: one entry).
+    digests = {k: hashlib.sha256(fleet.get(k) or b"").hexdigest() for k in spec["keys"]}
+    print(json.dumps({"stats": stats, "sources": sources, "digests": digests}))
     return 0
 
 

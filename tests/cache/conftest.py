@@ -32,3 +32,12 @@ def private_moto(moto_s3: Any) -> Iterator[Any]:
     finally:
         server.stop()
 
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_workers() -> Iterator[None]:
+    """Kill any worker process a test started and left running (a failed assertion mid-test)."""
+    from _cachetest import kill_started  # type: ignore[import-not-found]
+
+    yield
+    kill_started()

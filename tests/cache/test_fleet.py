@@ -1,0 +1,93 @@
+"""Many hosts, one store: real OS processes ("hosts", each with its own local tier) against a shared
+path and against S3 (moto's server). Compiles are counted from files the compile function writes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _cachetest import (  # type: ignore[import-not-found]
+    REPO,
+    collect,
+    compiles_in,
+    key_of,
+    release,
+    start_workers,
+    wait_until,
+    worker_env,
+)
+
+
+@pytest.fixture(params=["path", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "path":
+        return str(tmp_path / "fleet")
+    return str(request.getfixturevalue("s3_url"))
+
+
+def run_hosts(n: int, store: str, keys: list[str], tmp: Path, **spec: Any) -> list[dict[str, Any]]:
+    base: dict[str, Any] = {"store": store, "keys": keys, "count_dir": str(tmp / "compiles"), "compile_s": 0.3}
+    base.update(spec)
+    procs = start_workers(n, base, tmp)
+    release(tmp)
+    return collect(procs)
+
+
+def test_hosts_compile_each_key_once_then_a_new_host_compiles_nothing(store: str, tmp_path: Path) -> None:
+    keys = [key_of(f"op{i}") for i in range(4)]
+    results = run_hosts(5, store, keys, tmp_path / "run1")
+    assert compiles_in(tmp_path / "run1" / "compiles") == {k: 1 for k in keys}
+    assert sum(r["stats"]["compiles"] for r in results) == len(keys)
+    assert all(r["stats"]["corrupt"] == 0 and r["stats"]["fleet_errors"] == 0 for r in results)
+    assert len({tuple(sorted(r["digests"].items())) for r in results}) == 1
+    # The others loaded what one host compiled.
+    sources = [s for r in results for s in r["sources"].values()]
+    assert sources.count("compiled") == len(keys) and set(sources) <= {"compiled", "fleet"}
+
+    late = run_hosts(2, store, keys, tmp_path / "run2")
+    assert compiles_in(tmp_path / "run2" / "compiles") == {}
+    assert all(set(r["sources"].values()) == {"fleet"} for r in late)
+
+
+def test_racing_writers_leave_one_readable_entry(store: str, tmp_path: Path) -> None:
+    key = key_of("contested")
+    results = run_hosts(3, store, [key], tmp_path, single_flight=False, compile_s=0.0)
+    assert sum(compiles_in(tmp_path / "compiles").values()) >= 1
+    digests = {r["digests"][key] for r in results}
+    assert len(digests) == 1, "hosts see different entries for one key"
+
+
+def test_sigkilled_lease_holder_is_taken_over_after_the_ttl(store: str, tmp_path: Path) -> None:
+    key = key_of("orphan")
+    count_dir = tmp_path / "compiles"
+    spec = {"store": store, "keys": [key], "count_dir": str(count_dir), "compile_s": 0.2, "lease_ttl_s": 3.0}
+    holder = start_workers(1, dict(spec, hang_on=key), tmp_path / "holder")[0]
+    release(tmp_path / "holder")
+    wait_until(lambda: (count_dir / f"{key}-host0-started").exists())
+    holder.send_signal(signal.SIGKILL)  # dies holding the fleet lease, without writing anything
+    holder.wait()
+    assert holder.returncode == -signal.SIGKILL
+
+    results = run_hosts(3, store, [key], tmp_path / "survivors", compile_s=0.2, lease_ttl_s=3.0,
+                        count_dir=str(count_dir))
+    started = [f for f in os.listdir(count_dir) if f.endswith("-started")]
+    compiled = [f for f in os.listdir(count_dir) if not f.endswith("-started")]
+    assert len(started) == 1 and len(compiled) == 1, compiled
+    assert sorted(s for r in results for s in r["sources"].values()) == ["compiled", "fleet", "fleet"]
+    assert sum(r["stats"]["lease_waits"] for r in results) >= 2
+
+
+def test_the_cache_layer_is_torch_free() -> None:
+    code = (
+        "import sys, types; p = types.ModuleType('neuron_runtime'); p.__path__ = ['neuron_runtime'];"
+        "sys.modules['neuron_runtime'] = p;"
+        "import neuron_runtime.envelope, neuron_runtime.cache, neuron_runtime.cache._tiered;"
+        "import neuron_runtime.cache._registry, neuron_runtime.cache._fsstore, neuron_runtime.cache._local;"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(REPO), env=worker_env())
