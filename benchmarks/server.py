@@ -7,7 +7,7 @@ and noisy; medians of rounds are reported):
       - grpc: the real server process (`python -m cache_server`, disk storage) through `CacheClient.get`;
       - tcp:  a raw asyncio TCP server process doing the same storage work (reads the same files) with a
               minimal framing (64-byte key in, 8-byte length + bytes out); the client reads with recv_into
-              into a preallocated buffer, the cheapest a Python client can be;
+              into a fresh buffer per GET (what any cache client returns), the cheapest a Python client can be;
       - disk: the client process reading the same files itself (page cache), for scale.
   * batch lookup of 1,000 keys (half present): p50/p99 in ms.
   * fleet simulation: N client processes (the runtime's grpc:// backend, leases for single-flight) want
@@ -27,6 +27,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -96,7 +97,7 @@ def worker_main(conn: Connection, grpc_addr: str, tcp_port: int, root: str) -> N
     client = CacheClient(grpc_addr, timeout=30)
     sock = socket.create_connection(("127.0.0.1", tcp_port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = bytearray(8 << 20)
+    buf = bytearray(8)
     view = memoryview(buf)
     data_dir = Path(root) / "v1"
 
@@ -106,10 +107,14 @@ def worker_main(conn: Connection, grpc_addr: str, tcp_port: int, root: str) -> N
         while got < 8:
             got += sock.recv_into(view[got:8])
         n = struct.unpack(">Q", buf[:8])[0]
+        # A fresh buffer per GET, as any cache client must return (the caller keeps the blob), read with
+        # recv_into: one kernel copy, no joins. The gRPC client likewise returns a fresh bytes object.
+        blob = bytearray(n)
+        bview = memoryview(blob)
         got = 0
         while got < n:
-            got += sock.recv_into(view[got:n])
-        return n
+            got += sock.recv_into(bview[got:n])
+        return len(blob)
 
     def grpc_get(key: str) -> int:
         data = client.get(key)
@@ -135,13 +140,17 @@ def worker_main(conn: Connection, grpc_addr: str, tcp_port: int, root: str) -> N
         total = 0
         i = 0
         t_end = start_at + seconds
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         while time.time() < t_end:
             s = time.perf_counter()
             total += fn(keys[i % len(keys)])
             lat.append(time.perf_counter() - s)
             i += 1
-        conn.send((total, time.perf_counter() - t0, lat))
+        wall = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)  # all threads (grpc's included)
+        conn.send((total, wall, lat, cpu))
     sock.close()
     client.close()
 
@@ -178,6 +187,12 @@ def fleet_worker(addr: str, keys: list[str], compile_s: float, seed: int, out: A
 
 
 # -- orchestration -----------------------------------------------------------------------------------------
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 def pct(values: list[float], q: float) -> float:
     if not values:
@@ -258,19 +273,29 @@ def main() -> int:
                         for j, (_, c) in enumerate(workers[:n]):
                             ks = keys[name][j % 32:] + keys[name][:j % 32]
                             c.send((mode, ks, start_at, args.seconds))
+                        spid = {"grpc": server.pid, "tcp": tcp_proc.pid}.get(mode)
+                        cpu0 = proc_cpu(spid) if spid else 0.0
                         outs = [c.recv() for _, c in workers[:n]]
+                        server_cpu = (proc_cpu(spid) - cpu0) if spid else 0.0
                         total = sum(o[0] for o in outs)
                         wall = max(o[1] for o in outs)
                         lat = [x for o in outs for x in o[2]]
                         runs.setdefault(f"{name}/{n}", {}).setdefault(mode, []).append({
                             "MBps": total / wall / 1e6, "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3,
-                            "requests": len(lat)})
+                            "requests": len(lat),
+                            # CPU per request: on a small shared machine throughput is CPU-bound, so these
+                            # say why one protocol is slower than the other (server and clients separately)
+                            "server_cpu_ms_per_req": server_cpu / max(1, len(lat)) * 1e3,
+                            "client_cpu_ms_per_req": sum(o[3] for o in outs) / max(1, len(lat)) * 1e3})
                         log(f"round {rnd_i} {name} x{n} {mode}: {total / wall / 1e6:.0f} MB/s")
         get: dict[str, Any] = {}
         for label, by_mode in runs.items():
             row: dict[str, Any] = {}
             for mode, rs in by_mode.items():
-                row[mode] = {k: round(statistics.median(r[k] for r in rs), 3) for k in ("MBps", "p50_ms", "p99_ms")}
+                row[mode] = {k: round(statistics.median(r[k] for r in rs), 3)
+                             for k in ("MBps", "p50_ms", "p99_ms", "server_cpu_ms_per_req", "client_cpu_ms_per_req")}
+                if mode == "disk":
+                    del row[mode]["server_cpu_ms_per_req"]
             row["grpc_vs_tcp"] = round(row["grpc"]["MBps"] / row["tcp"]["MBps"], 3)
             # per-round ratios too: the machine is noisy, the spread says how much to trust the median
             row["grpc_vs_tcp_rounds"] = [round(g["MBps"] / t["MBps"], 3) for g, t in zip(by_mode["grpc"], by_mode["tcp"])]
@@ -335,7 +360,7 @@ def main() -> int:
         "fleet_compiles_eq_unique_keys": result["fleet"]["total_compiles"] == result["fleet"]["unique_keys"],
     }
     result["setup"] = {
-        "cpus": os.cpu_count(), "python": platform.python_version(), "grpcio": grpc.__version__,
+        "cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(), "python": platform.python_version(), "grpcio": grpc.__version__,
         "rounds": args.rounds, "seconds_per_run": args.seconds, "storage": "disk (page cache)",
         "client": "one OS process per client, sync grpc channel each", "server": "python -m cache_server (grpc.aio)",
     }
