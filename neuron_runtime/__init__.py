@@ -25,6 +25,7 @@ def _load() -> None:
         return
     from . import _autocast, _device, _kernels, _rnn, _shims, _stats
 
+    _configure_logging()
     _device.register()
     _kernels.register_all()
     _autocast.install(_device.DEVICE)
@@ -32,6 +33,21 @@ def _load() -> None:
     _rnn.install()
     _stats.install_exit_hook()
     _loaded = True
+
+
+def _configure_logging() -> None:
+    """TORCH_NEURONX_LOG_LEVEL: an explicit request to see the runtime's logs on stderr."""
+    import logging
+    import os
+
+    level = os.environ.get("TORCH_NEURONX_LOG_LEVEL")
+    if level:
+        logger = logging.getLogger("neuron_runtime")
+        logger.setLevel(level.upper())
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s neuron %(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
 
 
 def stats() -> dict[str, Any]:

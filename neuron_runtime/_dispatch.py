@@ -197,10 +197,24 @@ class Runtime:
             exe = self.by_digest.get(digest)
             if exe is None:
                 exe = self._load_or_compile(digest, sig)
+                if len(self.by_digest) >= self.cfg.memory_cache_entries:
+                    self._evict()
                 self.by_digest[digest] = exe
                 if self.recorder is not None:
                     self.recorder(sig, digest)
         return exe, sig
+
+    def _evict(self) -> None:
+        """Bound the loaded executables (TORCH_NEURONX_MEMORY_CACHE_ENTRIES): drop the older half.
+
+        Dropped executables reload from the local tier (milliseconds) when next needed. Oldest-first
+        rather than true LRU, so the hit path never pays for recency bookkeeping."""
+        for digest in list(self.by_digest)[: max(1, len(self.by_digest) // 2)]:
+            del self.by_digest[digest]
+        live = {id(e) for e in self.by_digest.values()}
+        for _, exes in _EXES.values():
+            for k in [k for k, e in exes.items() if id(e) not in live]:
+                del exes[k]
 
     def _load_or_compile(self, digest: str, sig: dict[str, Any]) -> Executable:
         cache = self.cache

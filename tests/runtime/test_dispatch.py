@@ -203,3 +203,17 @@ def test_collect_env() -> None:
     r = run_python("import runpy; runpy.run_module('neuron_runtime.collect_env', run_name='__main__')")
     assert r.returncode == 0, r.stderr
     assert "torch" in r.stdout and "neuron" in r.stdout and "TORCH_NEURONX_COMPILER" in r.stdout
+
+
+def test_memory_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_NEURONX_MEMORY_CACHE_ENTRIES", "8")
+    rt = _dispatch.reset_runtime()
+    try:
+        for n in range(1, 30):
+            x = torch.ones(n, device=DEV)
+            assert_same(torch.ones(n) * 2 + 1, x * 2 + 1)
+        assert len(rt.by_digest) <= 8
+        assert sum(len(e) for _, e in _dispatch._EXES.values()) <= 8
+    finally:
+        monkeypatch.undo()
+        _dispatch.reset_runtime()
