@@ -156,6 +156,10 @@ class Runtime:
         self._cache: TieredCache | None = None
         self._cache_opened = False
         self.recorder: Callable[[dict[str, Any], str], None] | None = None
+        if cfg.record_file:
+            from ._record import Recorder
+
+            self.recorder = Recorder(cfg.record_file)
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
