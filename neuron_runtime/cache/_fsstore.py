@@ -75,9 +75,9 @@ class FleetStore(CacheBackend):
         self.url = url
         self.timeout_s = timeout_s
         self.faults = FaultCounter(self.tier, url)
-        # Circuit breaker: after a connection failure or timeout, skip the store for a while instead of
-        # paying the timeout on every op of the user's step (a down store then costs one timeout per
-        # cooldown, not one per call).
+        # Circuit breaker: after a connection failure, timeout, throttling or 5xx, skip the store for a
+        # while instead of paying timeouts and retries on every op of the user's step (a down store
+        # then costs one timeout per cooldown, not one per call; a throttling one gets some rest).
         self.cooldown_s = max(1.0, min(30.0, 3 * timeout_s))
         self._open_until = 0.0
 
@@ -100,7 +100,7 @@ class FleetStore(CacheBackend):
             return fn()
         except Exception as e:  # noqa: BLE001
             kind = classify(e)
-            if kind in ("unavailable", "timeout"):
+            if kind in ("unavailable", "timeout", "throttled", "server"):
                 self._open_until = time.monotonic() + self.cooldown_s
             self.faults.record(kind, op, e)
             log.debug("%s %s failed", self.url, op, exc_info=True)

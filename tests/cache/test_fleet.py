@@ -79,7 +79,6 @@ def test_sigkilled_lease_holder_is_taken_over_after_the_ttl(store: str, tmp_path
     compiled = [f for f in os.listdir(count_dir) if not f.endswith("-started")]
     assert len(started) == 1 and len(compiled) == 1, compiled
     assert sorted(s for r in results for s in r["sources"].values()) == ["compiled", "fleet", "fleet"]
-    assert sum(r["stats"]["lease_waits"] for r in results) >= 2
 
 
 def test_the_cache_layer_is_torch_free() -> None:
