@@ -1,0 +1,435 @@
+"""The `aoti` tier: one AOTInductor `.pt2` package (a real `.so`) per op signature.
+
+compile(signature):
+  1. Build the op's call from the signature (`_reference.build_call`); run-time scalars become 0-d
+     float64/int64 tensor inputs read with `.item()` inside the traced function, so a new learning rate or
+     alpha is a new input value, never a new compile.
+  2. `torch.export` it with example inputs of the signature's exact dtypes, sizes and strides.
+  3. Refuse what an executable cannot be: outputs whose shape depends on data, non-tensor outputs.
+  4. AOTInductor-compile it under the pinned target (`_toolchain.pins`) in a private scratch directory.
+  5. Package it as a `.pt2` zip in memory, keep only the allow-listed files (the `.so` and JSON metadata:
+     no pickle, no sources), and add `extra/neuron_runtime.json` (format, fingerprint, signature).
+load(bytes):
+  checks the fingerprint stored in the artifact against this host, writes the package to a private file,
+  loads it with AOTInductor's C++ package loader (no compiler involved) and returns a function that calls
+  the loader's `run(list)` directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import zipfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .. import _config, _ops, _signature
+from . import _toolchain
+from ._base import CompileRefused, Compiler, Executable
+from ._reference import _resolve, build_call
+
+log = logging.getLogger(__name__)
+
+ARTIFACT_FORMAT = "neuron-aoti-v1"
+META_PATH = "extra/neuron_runtime.json"  # the .pt2 archive's place for extra files; the loader ignores it
+
+# Run-time scalar type (from the signature) -> dtype of the 0-d tensor that carries it into the executable.
+# float64/int64 keep every Python float/int exact; the traced `.item()` gives the op the same Python type.
+_SCALAR_DTYPES = {"float": torch.float64, "int": torch.int64}
+
+# Files an artifact may hold, by suffix: the .so, JSON metadata, and for ops AOTInductor calls through its
+# proxy executor (no C shim) the JSON description of that call. An allow-list, so nothing pickled (weights saved
+# with torch.save, exported programs) can ever ride along; sources are dropped because nothing loads them.
+_KEEP_SUFFIXES = (".so", ".json", "archive_format", "archive_version", "byteorder", ".data/version",
+                  "serialization_id")
+_DROP_SUFFIXES = (".cpp", ".h")
+
+# Inductor's configuration and scratch paths are process globals: one compile at a time per process.
+_COMPILE_LOCK = threading.Lock()
+# The package loader reads TMPDIR from the environment when it extracts the `.so`.
+_LOAD_LOCK = threading.Lock()
+
+
+class ArtifactMismatch(RuntimeError):
+    """An artifact built for another host, toolchain or format was offered to `load`; it is never loaded.
+
+    The fingerprint is part of every cache key, so this means a corrupt or misplaced entry: treat it like
+    an integrity failure (recompile), never as an op error."""
+
+
+class AotiCompiler(Compiler):
+    name = "aoti"
+    format_version = 1
+
+    def __init__(self, march: str | None = None, simdlen: int | None = None,
+                 local_cache_dir: str | None = None) -> None:
+        """Target and scratch location default to the configuration (TORCH_NEURONX_AOTI_MARCH,
+        TORCH_NEURONX_AOTI_SIMDLEN, TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR)."""
+        cfg = _config.get()
+        self.march = march or cfg.aoti_march
+        self.simdlen = _toolchain.simdlen_for(self.march, simdlen if simdlen is not None else cfg.aoti_simdlen)
+        self.local_cache_dir = local_cache_dir or cfg.local_cache_dir
+        self._scratch: _toolchain.Scratch | None = None
+
+    # -- fingerprint --------------------------------------------------------------------------------
+    def fingerprint(self) -> dict[str, Any]:
+        return _toolchain.fingerprint(self.name, self.format_version, self.march, self.simdlen)
+
+    def scratch(self) -> _toolchain.Scratch:
+        if self._scratch is None:
+            self._scratch = _toolchain.Scratch(self.local_cache_dir, self.fingerprint())
+        return self._scratch
+
+    # -- compile ------------------------------------------------------------------------------------
+    def compile(self, signature: dict[str, Any]) -> bytes:
+        qualname = signature["op"]
+        try:
+            _toolchain.check_host(self.march)
+        except _toolchain.ToolchainError as e:
+            raise CompileRefused(f"{qualname}: {e}") from e
+        op = _resolve(qualname)
+        run = build_call(signature, _per_element(qualname, op, signature) or op)
+        inputs, scalar_types = _example_inputs(signature)
+        n_tensors = len(inputs) - len(scalar_types)
+        fp = self.fingerprint()
+        scratch = self.scratch()
+        with _COMPILE_LOCK, _redirected(scratch):
+            t0 = time.perf_counter()
+            ep = _export(qualname, run, n_tensors, inputs)
+            _check_outputs(qualname, ep)
+            t1 = time.perf_counter()
+            # A fresh build directory, not Inductor's cache, which would keep every .so forever.
+            build = tempfile.mkdtemp(prefix="build-", dir=scratch.build)
+            try:
+                raw = _aot_compile(qualname, ep, inputs, _toolchain.pins(self.march, self.simdlen), build)
+            finally:
+                shutil.rmtree(build, ignore_errors=True)
+            t2 = time.perf_counter()
+        meta = {"format": ARTIFACT_FORMAT, "fingerprint": fp, "signature": signature,
+                "n_tensors": n_tensors, "scalar_types": scalar_types}
+        payload = _repackage(qualname, raw, meta)
+        self._self_check(qualname, payload, run, n_tensors, scalar_types, signature)
+        log.info("aoti: compiled %s (export %.1fs, compile %.1fs, %d bytes)", qualname, t1 - t0, t2 - t1,
+                 len(payload))
+        return payload
+
+    def _self_check(self, qualname: str, payload: bytes, run: Executable, n_tensors: int,
+                    scalar_types: list[str], signature: dict[str, Any]) -> None:
+        """Load the fresh artifact and run it once against eager on example values (a few ms).
+
+        Catches what compiles but cannot run (AOTInductor's proxy executor rejects symbolic scalars only
+        at load) or returns other shapes, dtypes or strides than the op, before anything is cached."""
+        inputs, _ = _example_inputs(signature, values=True)
+        tensors, scalars = inputs[:n_tensors], [0.5 if t == "float" else 2 for t in scalar_types]
+        try:
+            got = self.load(payload)(tensors, scalars)
+        except Exception as e:  # noqa: BLE001 - an artifact that cannot run is refused, never cached
+            raise CompileRefused(f"{qualname}: compiled artifact fails to load or run ({type(e).__name__}: "
+                                 f"{str(e).strip()[:300]})") from e
+        try:
+            want = run(tensors, scalars)
+        except Exception:  # noqa: BLE001 - eager rejects the example values (e.g. indices); shapes still checked
+            log.debug("aoti: eager reference of %s failed on example values; values not compared", qualname)
+            return
+        if len(got) != len(want):
+            raise CompileRefused(f"{qualname}: compiled artifact returns {len(got)} outputs, the op {len(want)}")
+        held = {t.untyped_storage().data_ptr() for t in tensors}
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g.numel() and g.untyped_storage().data_ptr() in held:
+                raise CompileRefused(f"{qualname}: compiled artifact returns an input's memory as output {i}")
+            if (g.shape, g.dtype) != (w.shape, w.dtype) or g.numel() > 1 and g.stride() != w.stride():
+                raise CompileRefused(f"{qualname}: output {i} is {list(g.shape)}/{g.stride()}/{g.dtype}, eager "
+                                     f"gives {list(w.shape)}/{w.stride()}/{w.dtype}")
+            if g.is_floating_point() and not torch.allclose(g.double(), w.double(), rtol=1e-2, atol=1e-2,
+                                                            equal_nan=True) or \
+                    not g.is_floating_point() and not torch.equal(g, w):
+                raise CompileRefused(f"{qualname}: output {i} differs from eager on example values")
+
+    # -- load ---------------------------------------------------------------------------------------
+    def load(self, payload: bytes) -> Executable:
+        meta = read_meta(payload)
+        if meta.get("format") != ARTIFACT_FORMAT:
+            raise ArtifactMismatch(f"not an {ARTIFACT_FORMAT} artifact (format {meta.get('format')!r})")
+        theirs, ours = meta.get("fingerprint"), self.fingerprint()
+        if theirs != ours:
+            diff = sorted(k for k in set(ours) | set(theirs or {}) if (theirs or {}).get(k) != ours.get(k))
+            raise ArtifactMismatch(f"{meta.get('signature', {}).get('op', '?')}: artifact was built for another "
+                                   f"host or toolchain (differs in {', '.join(diff)}); refusing to load it")
+        loader = _load_package(payload, self.scratch())
+        return _make_executable(loader, meta["signature"]["op"], meta["scalar_types"])
+
+
+# -- compile steps ----------------------------------------------------------------------------------
+def _per_element(qualname: str, op: Any, signature: dict[str, Any]) -> Any | None:
+    """For a `_foreach_*` op with run-time scalars, a stand-in that calls the per-tensor op in a loop.
+
+    AOTInductor has no lowering for the ScalarList overloads and calls them through its proxy executor,
+    which cannot take symbolic scalars; the per-tensor ops lower to one fused kernel and keep the scalars
+    as inputs. This is also how the CPU kernels of these ops compute (a loop over the per-tensor op)."""
+    if not qualname.startswith("aten::_foreach_"):
+        return None
+    if not any(kind in (_ops.SCALAR, _ops.SCALARS) for _, kind, _ in signature["args"]):
+        return None
+    base = qualname.removeprefix("aten::_foreach_").partition(".")[0]
+    target_name, scalar_kw = _FOREACH_ELEMENT.get(base, (base, None))
+    target = getattr(torch.ops.aten, target_name, None)
+    if target is None:
+        return None
+    return _PerElement(op, target, scalar_kw)
+
+
+# foreach base name -> (per-tensor op, keyword its list-wise scalar goes to when not positional); both as
+# the CPU kernels of the foreach ops call them (ForeachOpsKernels.cpp).
+_FOREACH_ELEMENT: dict[str, tuple[str, str | None]] = {
+    "maximum": ("clamp_min", None),
+    "minimum": ("clamp_max", None),
+    "addcmul": ("addcmul", "value"),
+    "addcdiv": ("addcdiv", "value"),
+    "norm": ("linalg_vector_norm", None),
+}
+
+
+class _PerElement:
+    """Callable with a foreach op's schema (what `build_call` needs) that loops over the per-tensor op."""
+
+    def __init__(self, op: Any, target: Any, scalar_kw: str | None) -> None:
+        self._schema = op._schema
+        self.target = target
+        self.scalar_kw = scalar_kw
+        self.n_positional = sum(1 for a in op._schema.arguments if not a.kwarg_only)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+        outs = []
+        for i in range(n):
+            pos = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+            kw = {k: v[i] if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
+            if self.scalar_kw is not None and len(pos) == 4:
+                kw[self.scalar_kw] = pos.pop()
+            outs.append(self.target(*pos, **kw))
+        return outs
+
+
+def _example_inputs(signature: dict[str, Any], values: bool = False) -> tuple[list[torch.Tensor], list[str]]:
+    """Tensors with the signature's exact dtype/sizes/strides, then one 0-d tensor per run-time scalar.
+
+    With `values`, floating tensors hold random numbers (the self-check compares against eager); integer
+    tensors hold zeros, which are valid indices for any op that takes indices."""
+    tensors: list[torch.Tensor] = []
+    scalar_types: list[str] = []
+    for name, kind, desc in signature["args"]:
+        if kind in (_ops.TENSOR, _ops.OPT_TENSOR):
+            if desc is not None:
+                tensors.append(_example_tensor(desc, values))
+        elif kind in (_ops.TENSORS, _ops.OPT_TENSORS):
+            tensors.extend(_example_tensor(d, values) for d in desc if d is not None)
+        elif kind in (_ops.SCALAR, _ops.SCALARS):
+            types = [] if desc is None else [desc] if kind == _ops.SCALAR else list(desc)
+            for t in types:
+                if t not in _SCALAR_DTYPES:
+                    raise CompileRefused(f"{signature['op']}: argument {name} is a run-time {t} scalar; "
+                                         f"executables take only float and int scalars at run time")
+                scalar_types.append(t)
+        elif kind == _ops.VALUE:
+            _check_value(signature["op"], name, _signature.decode_value(desc))
+    scalars = [torch.tensor(0.5 if t == "float" else 2, dtype=_SCALAR_DTYPES[t]) for t in scalar_types]
+    return tensors + scalars, scalar_types
+
+
+def _example_tensor(desc: dict[str, Any], values: bool = False) -> torch.Tensor:
+    dtype = _signature.decode_dtype(desc["dtype"])
+    if dtype.is_complex or dtype.itemsize == 1 and dtype.is_floating_point:
+        # Inductor's CPU backend has no complex or float8 codegen; the host runs these exactly.
+        raise CompileRefused(f"tensors of dtype {dtype} are not compiled by the aoti tier")
+    t = torch.empty_strided(desc["sizes"], desc["strides"], dtype=dtype).zero_()
+    if values and dtype.is_floating_point:
+        # Uniform in [0.5, 1.5): positive (log, sqrt, division stay finite), away from kinks at 0 and 1.
+        gen = torch.Generator().manual_seed(0)
+        t.copy_(torch.rand(t.shape, generator=gen, dtype=torch.float32) + 0.5)
+    return t
+
+
+def _check_value(qualname: str, name: str, value: Any) -> None:
+    devices = value if isinstance(value, list) else [value]
+    for v in devices:
+        if isinstance(v, torch.device) and v.type != "cpu":
+            raise CompileRefused(f"{qualname}: argument {name}={v} names a device; executables compute on host "
+                                 "memory and cannot place results")
+
+
+def _export(qualname: str, run: Executable, n_tensors: int, inputs: list[torch.Tensor]) -> Any:
+    class _Op(torch.nn.Module):
+        def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            # `.item()` on an input keeps the scalar symbolic (an unbacked SymFloat/SymInt): the value is
+            # read when the executable runs instead of being baked into the code.
+            return tuple(run(args[:n_tensors], [s.item() for s in args[n_tensors:]]))
+
+    try:
+        return torch.export.export(_Op(), tuple(inputs), strict=False)
+    except CompileRefused:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything export rejects is an op we cannot compile
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CompileRefused(f"{qualname}: export failed ({type(e).__name__}: {first[:300]})") from e
+
+
+def _check_outputs(qualname: str, ep: Any) -> None:
+    out = next(iter(ep.graph.find_nodes(op="output")))
+    for i, node in enumerate(out.args[0]):
+        val = getattr(node, "meta", {}).get("val") if node is not None else None
+        if not isinstance(val, torch.Tensor):
+            raise CompileRefused(f"{qualname}: output {i} is not a tensor ({type(val).__name__})")
+        if not all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+            raise CompileRefused(f"{qualname}: output {i} has a shape that depends on the data "
+                                 f"({list(val.shape)}); it runs on the host")
+
+
+def _aot_compile(qualname: str, ep: Any, inputs: list[torch.Tensor], pinned: dict[str, Any],
+                 build: str) -> bytes:
+    """AOTInductor into `build`, packaged as a .pt2 zip in memory."""
+    from torch._inductor import aot_compile
+    from torch._inductor.package import package_aoti
+
+    options = dict(pinned)
+    options["aot_inductor.package"] = True
+    options["aot_inductor.output_path"] = build
+    try:
+        files = aot_compile(ep.module(check_guards=False), tuple(inputs), options=options)
+    except Exception as e:  # noqa: BLE001 - a failed lowering or C++ build is a refusal with its reason
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CompileRefused(f"{qualname}: AOTInductor failed ({type(e).__name__}: {first[:300]})") from e
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise CompileRefused(f"{qualname}: AOTInductor produced weights outside the .so; not supported")
+    raw = io.BytesIO()
+    package_aoti(raw, files)
+    return raw.getvalue()
+
+
+def _repackage(qualname: str, raw: bytes, meta: dict[str, Any]) -> bytes:
+    """The .pt2 zip rebuilt with only allow-listed files, plus our metadata."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw)) as src, zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as dst:
+        prefix = ""
+        for info in src.infolist():
+            name = info.filename
+            if name.endswith("/archive_format"):
+                prefix = name[: -len("archive_format")]
+            if name.endswith(_DROP_SUFFIXES):
+                continue
+            if not name.endswith(_KEEP_SUFFIXES):
+                raise CompileRefused(f"{qualname}: AOTInductor package holds an unexpected file {name!r}; "
+                                     "refusing it (artifacts carry only the .so and JSON metadata)")
+            dst.writestr(info, src.read(name))
+        dst.writestr(prefix + META_PATH, _signature.canonical(meta))
+    return out.getvalue()
+
+
+# -- load steps -------------------------------------------------------------------------------------
+def read_meta(payload: bytes) -> dict[str, Any]:
+    """The `extra/neuron_runtime.json` of an artifact (raises `ArtifactMismatch` if it has none)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(payload)) as z:
+            name = next((n for n in z.namelist() if n.endswith("/" + META_PATH)), None)
+            if name is None:
+                raise ArtifactMismatch(f"not an {ARTIFACT_FORMAT} artifact: no {META_PATH}")
+            meta: dict[str, Any] = json.loads(z.read(name))
+            return meta
+    except (zipfile.BadZipFile, ValueError, KeyError) as e:
+        raise ArtifactMismatch(f"not an {ARTIFACT_FORMAT} artifact: {e}") from e
+
+
+def _load_package(payload: bytes, scratch: _toolchain.Scratch) -> Any:
+    # The C++ loader takes a path (not a buffer) and extracts the .so into a directory under $TMPDIR,
+    # which it deletes when the loader is freed; both go to our private scratch directory.
+    fd, path = tempfile.mkstemp(suffix=".pt2", dir=scratch.load)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        with _LOAD_LOCK, _env(TMPDIR=str(scratch.load)):
+            # run_single_threaded=False: the container's own lock makes concurrent calls from several
+            # Python threads safe.
+            return torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
+    finally:
+        os.unlink(path)
+
+
+def _make_executable(loader: Any, qualname: str, scalar_types: Sequence[str]) -> Executable:
+    """`exe(tensors, scalars)` over `loader.run(list)`; generated per arity so a call is one C++ call.
+
+    Each scalar slot keeps the 0-d tensor of the last value *object* it saw: `alpha=1` and an unchanged
+    learning rate are the same Python object call after call, so the hit path allocates nothing."""
+    run = loader.run
+    if not scalar_types:
+        def exe(tensors: Sequence[torch.Tensor], scalars: Sequence[Any]) -> list[torch.Tensor]:
+            return run(tensors if isinstance(tensors, list) else list(tensors))  # type: ignore[no-any-return]
+        exe.loader = loader  # type: ignore[attr-defined]  # keeps the .so alive with the function
+        return exe
+    dtypes = [_SCALAR_DTYPES[t] for t in scalar_types]
+    last: list[tuple[Any, torch.Tensor]] = [(object(), torch.empty(0)) for _ in dtypes]
+    tensor = torch.tensor
+
+    def scalar_tensor(i: int, v: Any) -> torch.Tensor:
+        held = last[i]
+        if held[0] is v:
+            return held[1]
+        t = tensor(v, dtype=dtypes[i])
+        last[i] = (v, t)  # one tuple store: a racing thread sees the old or the new pair, both consistent
+        return t
+
+    if len(dtypes) == 1:
+        def exe1(tensors: Sequence[torch.Tensor], scalars: Sequence[Any]) -> list[torch.Tensor]:
+            return run([*tensors, scalar_tensor(0, scalars[0])])  # type: ignore[no-any-return]
+        exe1.loader = loader  # type: ignore[attr-defined]
+        return exe1
+
+    def exen(tensors: Sequence[torch.Tensor], scalars: Sequence[Any]) -> list[torch.Tensor]:
+        return run([*tensors, *[scalar_tensor(i, v) for i, v in enumerate(scalars)]])  # type: ignore[no-any-return]
+    exen.loader = loader  # type: ignore[attr-defined]
+    return exen
+
+
+# -- scratch redirection ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _redirected(scratch: _toolchain.Scratch) -> Iterator[None]:
+    """Inductor's scratch into our private directories for the duration of one compile.
+
+    Three knobs, because Inductor reads them at different times: TORCHINDUCTOR_CACHE_DIR is read on every
+    use; the precompiled-header directory was fixed at import of `torch._inductor.codecache` from
+    tempfile.gettempdir() (so setting TMPDIR now would not move it) and is a module global; TMPDIR in the
+    environment reaches g++ and tempfile.tempdir reaches Python's own temporary files."""
+    import torch._inductor.codecache as codecache
+
+    old_header = codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR
+    old_tempdir = tempfile.tempdir
+    codecache._HEADER_DIR = str(scratch.pch)
+    codecache._HEADER_LOCK_DIR = str(scratch.pch / "locks")
+    tempfile.tempdir = str(scratch.tmp)
+    try:
+        with _env(TORCHINDUCTOR_CACHE_DIR=str(scratch.cache), TMPDIR=str(scratch.tmp)):
+            yield
+    finally:
+        codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = old_header
+        tempfile.tempdir = old_tempdir
