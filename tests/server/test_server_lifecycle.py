@@ -158,3 +158,12 @@ def test_metrics_endpoint(server_factory: type[ServerProc]) -> None:
     assert "neuron_cache_entries 1" in text
     with pytest.raises(urllib.error.HTTPError):
         urllib.request.urlopen(f"http://127.0.0.1:{mport}/other", timeout=5)
+
+
+def test_docs_table_lists_every_flag_and_twin() -> None:
+    doc = (REPO / "docs/server.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| `--")]
+    for f in FLAGS:
+        assert any(f"`{f.name}" in r and f"`{f.env}`" in r for r in rows), f"docs/server.md: no row for {f.name}"
+    assert len(rows) == len(FLAGS)
+    assert "run code on every reader" in doc  # the trust model is stated
