@@ -251,7 +251,8 @@ class SharedPathStore(FleetStore):
     def try_lease(self, key: str, ttl_s: float) -> Lease | None:
         path = self._lease_path(key)
         # A store we cannot write leases to must not make everyone wait: hand out a no-op lease.
-        result: Lease | None = self._guard("lease", _NoLease(), lambda: self._try_lease(path, ttl_s))
+        no_lease: Lease | None = _NoLease()
+        result: Lease | None = self._guard("lease", no_lease, lambda: self._try_lease(path, ttl_s))
         return result
 
     def _create_lease(self, path: str, ttl_s: float) -> Lease | None:
@@ -501,7 +502,8 @@ class S3Store(FleetStore):
 
     def try_lease(self, key: str, ttl_s: float) -> Lease | None:
         k = self._key(self.lease_relpath(check_key(key)))
-        result: Lease | None = self._guard("lease", _NoLease(), lambda: self._call(self._try_lease, k, ttl_s))
+        no_lease: Lease | None = _NoLease()
+        result: Lease | None = self._guard("lease", no_lease, lambda: self._call(self._try_lease, k, ttl_s))
         return result
 
     async def _try_lease(self, k: str, ttl_s: float) -> Lease | None:

@@ -28,6 +28,7 @@ no leases are taken); `strict` (like readwrite, but a miss raises `CacheMissErro
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -151,13 +152,13 @@ class TieredCache:
         if not self.writable:
             return
         for name, backend in self.tiers[:upto]:
-            if not self._safe(name, "put", lambda b=backend: b.put(key, data), False):
+            if not self._safe(name, "put", functools.partial(backend.put, key, data), False):
                 self._count("writes_skipped")
 
     def _lookup(self, key: str) -> tuple[envelope.Entry, bytes, str] | None:
         for i, (name, backend) in enumerate(self.tiers):
             try:
-                data = self._safe(name, "get", lambda b=backend: b.get(key), None)
+                data = self._safe(name, "get", functools.partial(backend.get, key), None)
                 if data is None:
                     continue
                 entry = self._verify(key, data)
@@ -206,7 +207,7 @@ class TieredCache:
             return False
         stored = False
         for name, backend in self.tiers:
-            if self._safe(name, "put", lambda b=backend: b.put(key, data), False):
+            if self._safe(name, "put", functools.partial(backend.put, key, data), False):
                 stored = True
             else:
                 self._count("writes_skipped")

@@ -56,7 +56,9 @@ def start_workers(n: int, spec: dict[str, Any], tmp: Path, env: dict[str, str] |
     tmp.mkdir(parents=True, exist_ok=True)
     procs = []
     for i in range(n):
-        s = dict(spec, local_dir=str(tmp / f"host{i}"), name=f"host{i}", go=str(tmp / "go"))
+        # `same_host`: the processes share one local tier (and its lock files), as on one machine.
+        local = tmp / "host" if spec.get("same_host") else tmp / f"host{i}"
+        s = dict(spec, local_dir=str(local), name=f"host{i}", go=str(tmp / "go"))
         procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(s)], env=worker_env(env),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO)))
     STARTED.extend(procs)

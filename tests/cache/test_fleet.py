@@ -81,6 +81,31 @@ def test_sigkilled_lease_holder_is_taken_over_after_the_ttl(store: str, tmp_path
     assert sorted(s for r in results for s in r["sources"].values()) == ["compiled", "fleet", "fleet"]
 
 
+def test_processes_on_one_host_compile_each_key_once(tmp_path: Path) -> None:
+    """No fleet store: 4 processes sharing one local tier serialise on the per-key host lock."""
+    keys = [key_of(f"h{i}") for i in range(3)]
+    results = run_hosts(4, "", keys, tmp_path, same_host=True)
+    assert compiles_in(tmp_path / "compiles") == {k: 1 for k in keys}
+    sources = [s for r in results for s in r["sources"].values()]
+    assert sources.count("compiled") == len(keys) and set(sources) <= {"compiled", "local"}
+
+
+def test_a_sigkilled_host_lock_holder_blocks_nobody(tmp_path: Path) -> None:
+    key = key_of("hostlock")
+    count_dir = tmp_path / "compiles"
+    spec = {"store": "", "keys": [key], "count_dir": str(count_dir), "compile_s": 0.2, "same_host": True,
+            "lock_timeout_s": 600.0}
+    holder = start_workers(1, dict(spec, hang_on=key), tmp_path)[0]
+    release(tmp_path)
+    wait_until(lambda: (count_dir / f"{key}-host0-started").exists())
+    holder.send_signal(signal.SIGKILL)  # dies holding the flock; the kernel drops it
+    holder.wait()
+    results = collect(start_workers(3, spec, tmp_path))  # the start barrier is already open
+    compiled = [f for f in os.listdir(count_dir) if not f.endswith("-started")]
+    assert len(compiled) == 1
+    assert sorted(s for r in results for s in r["sources"].values()) == ["compiled", "local", "local"]
+
+
 def test_the_cache_layer_is_torch_free() -> None:
     code = (
         "import sys, types; p = types.ModuleType('neuron_runtime'); p.__path__ = ['neuron_runtime'];"
