@@ -84,6 +84,8 @@ def pack(key: str, header: dict[str, Any], payload: bytes, signing_key: bytes | 
         hbytes = json.dumps(full, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as e:
         raise ValueError(f"envelope header is not JSON-able: {e}") from e
+    if len(hbytes) > _MAX_HEADER:
+        raise ValueError(f"envelope header is {len(hbytes)} bytes; the limit is {_MAX_HEADER}")
     flags = _FLAG_SIGNED if signing_key else 0
     body = b"".join(
         (_PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(hbytes)), hbytes, _PLEN.pack(len(payload)), payload)
