@@ -2,16 +2,31 @@
 
 The manifest is JSON lines, one `{"op": ..., "signature": {...}}` per distinct signature, written as
 they are first seen (a job that crashes midway leaves what it recorded). `neuron-cache warm` and
-`neuron-cache compile` read it."""
+`neuron-cache compile` read it with `scan_manifest`, which keeps going past a bad line and reports it by
+line number, so one damaged line never costs the other signatures their compile.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from . import _signature
+
+
+class ManifestError(ValueError):
+    """A manifest line that is not a signature record; `line` is its 1-based line number."""
+
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        self.path = path
+        self.line = line
+        self.reason = reason
+        super().__init__(f"{path}:{line}: not a manifest line ({reason}); expected "
+                         '{"op": ..., "signature": {"op": ..., "schema": ..., "args": [...]}}')
 
 
 class Recorder:
@@ -27,7 +42,8 @@ class Recorder:
             if line in self._seen:
                 return
             self._seen.add(line)
-            # O_APPEND: several processes of one job may record into the same manifest.
+            # O_APPEND and one write per line: several processes of one job (data-parallel ranks) may
+            # record into the same manifest without interleaving inside a line.
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, (line + "\n").encode())
@@ -35,22 +51,75 @@ class Recorder:
                 os.close(fd)
 
 
-def read_manifest(path: str) -> list[dict[str, Any]]:
-    """The signatures of a manifest (duplicates removed). Raises ValueError naming the bad line."""
-    out: list[dict[str, Any]] = []
+def check_signature(sig: Any) -> dict[str, Any]:
+    """`sig` if it has the shape `_signature.build` produces; ValueError naming what is wrong otherwise.
+
+    Structural only: whether the op exists and compiles is the compiler's business (a refusal there is
+    reported per signature, not as a bad manifest line)."""
+    if not isinstance(sig, dict):
+        raise ValueError(f"signature must be a JSON object, not {type(sig).__name__}")
+    if not isinstance(sig.get("op"), str) or not sig["op"]:
+        raise ValueError("signature has no 'op' string")
+    if not isinstance(sig.get("schema"), str):
+        raise ValueError("signature has no 'schema' string")
+    args = sig.get("args")
+    if not isinstance(args, list):
+        raise ValueError("signature has no 'args' list")
+    for i, a in enumerate(args):
+        if not (isinstance(a, list) and len(a) == 3 and isinstance(a[0], str) and isinstance(a[1], str)):
+            raise ValueError(f"args[{i}] must be [name, kind, descriptor]")
+    return sig
+
+
+def parse_line(text: str) -> dict[str, Any]:
+    """The signature of one manifest line. Also accepts a bare signature object (what strict-mode errors
+    and `neuron-cache explain` print). Raises ValueError with the reason."""
+    try:
+        rec = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"invalid JSON: {e}") from None
+    if isinstance(rec, dict) and "signature" in rec:
+        sig = check_signature(rec["signature"])
+        if "op" in rec and rec["op"] != sig["op"]:
+            raise ValueError(f"'op' {rec['op']!r} does not match the signature's op {sig['op']!r}")
+        return sig
+    return check_signature(rec)
+
+
+@dataclass(frozen=True)
+class ManifestLine:
+    line: int
+    signature: dict[str, Any] | None  # None when the line is bad
+    error: ManifestError | None = None
+
+
+def scan_manifest(path: str) -> Iterator[ManifestLine]:
+    """Every non-empty line of a manifest, parsed, duplicates dropped; bad lines come back with `error`
+    set instead of stopping the scan."""
     seen: set[str] = set()
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, text in enumerate(f, 1):
+            text = text.strip()
+            if not text:
                 continue
             try:
-                rec = json.loads(line)
-                sig = rec["signature"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a manifest line ({e})") from e
+                sig = parse_line(text)
+            except ValueError as e:
+                yield ManifestLine(n, None, ManifestError(path, n, str(e)))
+                continue
             key = _signature.canonical(sig).decode()
             if key not in seen:
                 seen.add(key)
-                out.append(sig)
+                yield ManifestLine(n, sig)
+
+
+def read_manifest(path: str) -> list[dict[str, Any]]:
+    """The signatures of a manifest (duplicates removed). Raises `ManifestError` (a ValueError) naming
+    the first bad line; use `scan_manifest` to keep going past bad lines."""
+    out: list[dict[str, Any]] = []
+    for rec in scan_manifest(path):
+        if rec.error is not None:
+            raise rec.error
+        assert rec.signature is not None
+        out.append(rec.signature)
     return out

@@ -1,0 +1,413 @@
+"""`neuron-cache warm -- JOB...` and `neuron-cache compile MANIFEST`.
+
+warm:
+  1. Run the job once with recording on (TORCH_NEURONX_RECORD_FILE) on the `reference` tier (no real
+     compiles: it only has to discover the signatures) and a throwaway local cache with no fleet store,
+     so reference entries never reach the real caches.
+  2. Compile the recorded signatures for the target tier, as `compile` does.
+compile:
+  1. Read the manifest line by line; a bad line is reported with its number and skipped.
+  2. Key every signature with the target tier's fingerprint and ask each target tier (local, and the fleet
+     store if one is set) which keys it holds (one batched call per tier). Entries the local tier has
+     and the fleet lacks are verified and pushed.
+  3. Compile the rest in N worker processes (`_worker.py`, JSON lines over pipes), each writing through
+     the runtime's own `TieredCache`; a worker that dies or runs past --timeout costs only its current
+     signature (reported with the reason) and is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import IO, Any
+
+from neuron_runtime import _config, _record, _signature, envelope
+from neuron_runtime.cache import CacheError
+from neuron_runtime.cli import _common
+from neuron_runtime.cli._errors import PROBLEMS, JobError, UsageError
+from neuron_runtime.compiler import Compiler
+
+log = logging.getLogger(__name__)
+
+
+def make_compiler(cfg: _config.Config) -> Compiler:
+    """The target tier's compiler, configured from `cfg` rather than the process environment."""
+    if cfg.compiler == "aoti":
+        from neuron_runtime.compiler._aoti import AotiCompiler
+
+        return AotiCompiler(march=cfg.aoti_march, simdlen=cfg.aoti_simdlen, local_cache_dir=cfg.local_cache_dir)
+    from neuron_runtime.compiler import get_compiler
+
+    return get_compiler(cfg.compiler)
+
+
+def add_parsers(sub: Any) -> None:
+    def compile_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                       help="parallel compile worker processes [env NEURON_CACHE_JOBS, default: CPU count]")
+        p.add_argument("--timeout", type=float, default=None, metavar="S",
+                       help="give up on one signature after S seconds (its worker is killed and replaced) "
+                            "[env NEURON_CACHE_COMPILE_TIMEOUT, default: no limit]")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+        _common.add_cache_options(p, fleet_flags=("--to", "--fleet"), tier=True)
+        _common.add_json_option(p)
+
+    w = sub.add_parser("warm", help="record a job's op signatures, then compile them in parallel",
+                       description="Run JOB once on the reference tier with recording on, then compile every "
+                                   "recorded signature for the target tier into the local tier and the fleet store.",
+                       usage="neuron-cache warm [options] -- JOB [ARGS...]")
+    w.add_argument("--manifest", metavar="FILE",
+                   help="where to write the recorded manifest (kept) [env NEURON_CACHE_MANIFEST, default: a temporary file]")
+    w.add_argument("--allow-job-failure", action="store_true",
+                   help="exit 0 even if the job itself fails (what it recorded is compiled either way)")
+    compile_options(w)
+    w.add_argument("job", nargs=argparse.REMAINDER, help="the command to run, after `--`")
+    w.set_defaults(func=cmd_warm)
+
+    c = sub.add_parser("compile", help="compile the signatures of a manifest (the second half of warm)",
+                       description="Compile every signature of MANIFEST (JSON lines from TORCH_NEURONX_RECORD_FILE "
+                                   "or `warm --manifest`) for the target tier.")
+    c.add_argument("manifest", metavar="MANIFEST")
+    compile_options(c)
+    c.set_defaults(func=cmd_compile)
+
+
+# ------------------------------------------------------------------------------------------ warm
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    job = list(args.job)
+    if job and job[0] == "--":
+        job = job[1:]
+    if not job:
+        raise UsageError("warm needs the job to run: neuron-cache warm [options] -- python train.py ARGS")
+    env = _common.runtime_env(args)
+    cfg = _common.load_config(env)
+    scratch = tempfile.mkdtemp(prefix="neuron-cache-warm-")
+    try:
+        manifest = os.path.abspath(args.manifest or os.environ.get("NEURON_CACHE_MANIFEST")
+                                   or os.path.join(scratch, "manifest.jsonl"))
+        # A fresh manifest per warm-up: the recorder appends, and a stale one would compile signatures
+        # this job no longer needs.
+        if os.path.exists(manifest):
+            os.remove(manifest)
+        job_env = _common.runtime_env(
+            args,
+            TORCH_NEURONX_COMPILER="reference",
+            TORCH_NEURONX_RECORD_FILE=manifest,
+            TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=os.path.join(scratch, "reference-cache"),
+            TORCH_NEURONX_NEFF_CACHE_DIR=None,
+            TORCH_NEURONX_CACHE_MODE="readwrite",
+            # The recording run's counters are of no use to anyone; keep it off the user's stats file.
+            TORCH_NEURONX_STATS_FILE=os.path.join(scratch, "record-stats.json"),
+        )
+        print(f"neuron-cache warm: recording {' '.join(job)} (reference tier) -> {manifest}", file=sys.stderr)
+        t0 = time.monotonic()
+        try:
+            # With --json, stdout belongs to the summary: the job's own output goes to stderr.
+            rc = subprocess.call(job, env=job_env, stdout=sys.stderr if args.json else None)
+        except OSError as e:
+            raise JobError(f"cannot start {job[0]!r}: {e}; pass the job after `--`, e.g. "
+                           "neuron-cache warm -- python train.py") from e
+        job_info = {"command": job, "returncode": rc, "seconds": round(time.monotonic() - t0, 2)}
+        if rc != 0:
+            print(f"neuron-cache warm: the job exited with status {rc}; compiling what it recorded before that",
+                  file=sys.stderr)
+        if not os.path.exists(manifest):
+            open(manifest, "w").close()  # the job ran no compiled op (or died first): nothing to compile
+        summary = compile_manifest(cfg, env, manifest, args)
+        summary["command"] = "warm"
+        summary["job"] = job_info
+        if args.manifest or os.environ.get("NEURON_CACHE_MANIFEST"):
+            summary["manifest"] = manifest
+        else:
+            summary.pop("manifest", None)
+        _common.record_run(cfg, _run_log(summary))
+        _report(summary, args.json)
+        status = 0 if summary["ok"] else PROBLEMS
+        if rc != 0 and not args.allow_job_failure:
+            status = PROBLEMS
+        return status
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    if not os.path.isfile(args.manifest):
+        raise UsageError(f"no manifest at {args.manifest}: record one with TORCH_NEURONX_RECORD_FILE=... or "
+                         "`neuron-cache warm --manifest FILE -- JOB`")
+    env = _common.runtime_env(args)
+    cfg = _common.load_config(env)
+    summary = compile_manifest(cfg, env, os.path.abspath(args.manifest), args)
+    summary["command"] = "compile"
+    _common.record_run(cfg, _run_log(summary))
+    _report(summary, args.json)
+    return 0 if summary["ok"] else PROBLEMS
+
+
+# ------------------------------------------------------------------------------------------ compile
+
+
+def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
+                     args: argparse.Namespace) -> dict[str, Any]:
+    """Compile every signature of `manifest` for `cfg`'s tier into its local tier and fleet store.
+    Returns the summary (see docs/cli.md)."""
+    jobs = args.jobs if args.jobs is not None else _common.env_int("NEURON_CACHE_JOBS", os.cpu_count() or 1)
+    if jobs < 1:
+        raise UsageError(f"--jobs {jobs}: need at least 1 worker")
+    timeout = args.timeout
+    if timeout is None and os.environ.get("NEURON_CACHE_COMPILE_TIMEOUT"):
+        timeout = float(os.environ["NEURON_CACHE_COMPILE_TIMEOUT"])
+    t0 = time.monotonic()
+
+    # 1. the manifest, bad lines reported and skipped
+    lines: list[_record.ManifestLine] = []
+    errors: list[dict[str, Any]] = []
+    for rec in _record.scan_manifest(manifest):
+        if rec.error is not None:
+            log.error("%s", rec.error)
+            print(f"neuron-cache: {rec.error}", file=sys.stderr)
+            errors.append({"line": rec.line, "error": rec.error.reason})
+        else:
+            lines.append(rec)
+
+    # 2. keys and what the target tiers already hold
+    compiler = make_compiler(cfg)
+    fp = compiler.fingerprint()
+    keyed: list[tuple[_record.ManifestLine, str]] = []
+    for rec in lines:
+        assert rec.signature is not None
+        try:
+            keyed.append((rec, _signature.cache_key(rec.signature, fp)))
+        except (TypeError, ValueError) as e:
+            errors.append({"line": rec.line, "error": f"cannot key this signature: {e}"})
+    local = _common.open_local(cfg)
+    fleet = _common.open_fleet(cfg)
+    keys = [k for _, k in keyed]
+    in_local = local.contains_many(keys)
+    in_fleet = fleet.contains_many(keys) if fleet is not None else set()
+    present = pushed = 0
+    todo: list[tuple[_record.ManifestLine, str]] = []
+    for rec, key in keyed:
+        if key in in_local and (fleet is None or key in in_fleet):
+            present += 1
+        elif key in in_fleet:
+            present += 1  # consumers fill their local tier from the fleet on first use
+        elif key in in_local and fleet is not None and _push(local, fleet, key, cfg):
+            present += 1
+            pushed += 1
+        else:
+            todo.append((rec, key))
+    local.close()
+    if fleet is not None:
+        fleet.close()
+
+    # 3. compile what is missing
+    results: dict[int, dict[str, Any]] = {}
+    if todo:
+        worker_env = dict(env)
+        worker_env.update(TORCH_NEURONX_CACHE_MODE="readwrite", TORCH_NEURONX_COMPILER=cfg.compiler)
+        for var in ("TORCH_NEURONX_RECORD_FILE", "TORCH_NEURONX_STATS_FILE"):
+            worker_env.pop(var, None)
+        # One compile per core: the C++ compiler is single-threaded, and OpenMP threads in every worker
+        # would only fight over the cores (an explicit setting wins).
+        worker_env.setdefault("OMP_NUM_THREADS", "1")
+        n = min(jobs, len(todo))
+        print(f"neuron-cache: compiling {len(todo)} signature(s) for tier {cfg.compiler} with {n} worker(s) "
+              f"({present} already present)", file=sys.stderr)
+        pool = _Pool(n, worker_env, timeout,
+                     _common.Progress(len(todo), "compile", enabled=not args.no_progress))
+        results = pool.run([(i, rec.signature or {}) for i, (rec, _) in enumerate(todo)],
+                           [rec.signature["op"] if rec.signature else "?" for rec, _ in todo])
+
+    compiled = refused = failed = 0
+    failures: list[dict[str, Any]] = []
+    for i, (rec, key) in enumerate(todo):
+        r = results.get(i, {"status": "failed", "reason": "not attempted (interrupted)"})
+        status = r.get("status", "failed")
+        if status == "compiled":
+            compiled += 1
+        elif status == "present":
+            present += 1  # another host or process compiled it meanwhile
+        else:
+            refused += status == "refused"
+            failed += status != "refused"
+            assert rec.signature is not None
+            failures.append({"line": rec.line, "op": rec.signature["op"], "key": r.get("key", key),
+                             "status": status, "reason": r.get("reason", "")})
+    return {
+        "manifest": manifest,
+        "tier": cfg.compiler,
+        "local": cfg.local_cache_dir,
+        "fleet": cfg.cache_dir,
+        "jobs": jobs,
+        "signatures": len(keyed),
+        "compiled": compiled,
+        "present": present,
+        "pushed": pushed,
+        "refused": refused,
+        "failed": failed,
+        "failures": failures,
+        "manifest_errors": errors,
+        "compile_seconds": round(sum(r.get("seconds", 0.0) for r in results.values()), 2),
+        "seconds": round(time.monotonic() - t0, 2),
+        "ok": failed == 0 and not errors,
+    }
+
+
+def _push(local: Any, fleet: Any, key: str, cfg: _config.Config) -> bool:
+    """Copy a verified local entry to the fleet store (a bad one is left for the compile to replace)."""
+    try:
+        data = local.get(key)
+        if data is None:
+            return False
+        envelope.unpack(data, expected_key=key, signing_key=cfg.signing_key)
+    except CacheError as e:
+        log.warning("local entry %s does not verify (%s); recompiling it", key, e)
+        return False
+    return bool(fleet.put(key, data))
+
+
+class _Pool:
+    """N worker processes fed from one queue by N threads; answers arrive as JSON lines."""
+
+    def __init__(self, n: int, env: dict[str, str], timeout: float | None, progress: _common.Progress) -> None:
+        self.n = n
+        self.env = env
+        self.timeout = timeout
+        self.progress = progress
+        self.lock = threading.Lock()
+        self.procs: list[subprocess.Popen[str]] = []
+        self.logs = tempfile.mkdtemp(prefix="neuron-cache-workers-")
+
+    def _start(self, slot: int) -> tuple[subprocess.Popen[str], IO[str]]:
+        log_file = open(os.path.join(self.logs, f"worker-{slot}.log"), "a+", encoding="utf-8")  # noqa: SIM115
+        proc = subprocess.Popen([sys.executable, "-m", "neuron_runtime.cli._worker"], env=self.env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, bufsize=1)
+        with self.lock:
+            self.procs.append(proc)
+        return proc, log_file
+
+    @staticmethod
+    def _tail(log_file: IO[str], n: int = 5) -> str:
+        log_file.flush()
+        log_file.seek(0)
+        lines = [ln for ln in log_file.read().splitlines() if ln.strip()]
+        return " | ".join(lines[-n:])
+
+    def run(self, tasks: list[tuple[int, dict[str, Any]]], names: list[str]) -> dict[int, dict[str, Any]]:
+        work: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
+        for t in tasks:
+            work.put(t)
+        results: dict[int, dict[str, Any]] = {}
+
+        def slot(s: int) -> None:
+            proc: subprocess.Popen[str] | None = None
+            log_file: IO[str] | None = None
+            while True:
+                try:
+                    i, sig = work.get_nowait()
+                except queue.Empty:
+                    break
+                if proc is None:
+                    proc, log_file = self._start(s)
+                assert proc.stdin is not None and proc.stdout is not None and log_file is not None
+                timed_out = threading.Event()
+
+                def kill(p: subprocess.Popen[str] = proc) -> None:
+                    timed_out.set()
+                    p.kill()
+
+                timer = threading.Timer(self.timeout, kill) if self.timeout else None
+                line = ""
+                try:
+                    proc.stdin.write(json.dumps({"i": i, "signature": sig}) + "\n")
+                    proc.stdin.flush()
+                    if timer is not None:
+                        timer.start()
+                    line = proc.stdout.readline()
+                except (OSError, ValueError):
+                    line = ""
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+                answer: dict[str, Any]
+                try:
+                    answer = json.loads(line) if line else {}
+                except ValueError:
+                    answer = {}
+                if not answer:
+                    rc = proc.wait()
+                    why = (f"timed out after {self.timeout:g} s (worker killed)" if timed_out.is_set()
+                           else f"worker process died with status {rc}")
+                    answer = {"i": i, "status": "failed", "reason": f"{why}; worker log: {self._tail(log_file)}"}
+                    log_file.close()
+                    proc, log_file = None, None  # a fresh worker for the next signature
+                with self.lock:
+                    results[i] = answer
+                    self.progress.step(answer.get("status", "failed"), names[i], answer.get("seconds"))
+            if proc is not None:
+                assert proc.stdin is not None
+                proc.stdin.close()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            if log_file is not None:
+                log_file.close()
+
+        threads = [threading.Thread(target=slot, args=(s,), daemon=True) for s in range(self.n)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.2)
+        finally:
+            with self.lock:
+                for p in self.procs:
+                    if p.poll() is None:
+                        p.kill()
+            shutil.rmtree(self.logs, ignore_errors=True)
+        return results
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def _run_log(summary: dict[str, Any]) -> dict[str, Any]:
+    keep = ("command", "tier", "fleet", "jobs", "signatures", "compiled", "present", "pushed", "refused",
+            "failed", "seconds", "ok")
+    out = {k: summary.get(k) for k in keep}
+    out["finished"] = time.time()
+    out["manifest_errors"] = len(summary.get("manifest_errors", []))
+    return out
+
+
+def _report(summary: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _common.print_json(summary)
+        return
+    where = "local tier" + (f" + fleet {summary['fleet']}" if summary.get("fleet") else "")
+    pushed = f" ({summary['pushed']} pushed to the fleet)" if summary["pushed"] else ""
+    print(f"{summary['signatures']} signature(s), tier {summary['tier']}, {where}: compiled {summary['compiled']}, "
+          f"already present {summary['present']}{pushed}, refused {summary['refused']}, failed {summary['failed']} "
+          f"in {summary['seconds']:.1f} s")
+    for f in summary["failures"]:
+        print(f"  {f['status']:<8} line {f['line']}: {f['op']} ({f['key'][:12]}): {f['reason']}")
+    for e in summary["manifest_errors"]:
+        print(f"  bad manifest line {e['line']}: {e['error']}")
+    job = summary.get("job")
+    if job and job["returncode"] != 0:
+        print(f"  the job exited with status {job['returncode']}; what it recorded before that was compiled")
+    if summary["refused"]:
+        print("  refused ops run on the host; with TORCH_NEURONX_CACHE_MODE=strict they are misses (errors)")
