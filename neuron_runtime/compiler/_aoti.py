@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 import zipfile
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -102,7 +103,8 @@ class AotiCompiler(Compiler):
         n_tensors = len(inputs) - len(scalar_types)
         fp = self.fingerprint()
         scratch = self.scratch()
-        with _COMPILE_LOCK, _redirected(scratch):
+        # Inductor's deprecation and future warnings are about Inductor, not the user's program.
+        with _COMPILE_LOCK, _redirected(scratch), warnings.catch_warnings(record=True) as caught:
             t0 = time.perf_counter()
             ep = _export(qualname, run, n_tensors, inputs)
             _check_outputs(qualname, ep)
@@ -114,6 +116,8 @@ class AotiCompiler(Compiler):
             finally:
                 shutil.rmtree(build, ignore_errors=True)
             t2 = time.perf_counter()
+        for w in caught:
+            log.debug("aoti: while compiling %s: %s", qualname, w.message)
         meta = {"format": ARTIFACT_FORMAT, "fingerprint": fp, "signature": signature,
                 "n_tensors": n_tensors, "scalar_types": scalar_types}
         payload = _repackage(qualname, raw, meta)

@@ -1,0 +1,207 @@
+"""The `aoti` tier against eager CPU: real AOTInductor compiles, shared per session (see conftest)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from neuron_runtime import _dispatch, _ops, _signature
+from neuron_runtime.compiler import CompileRefused
+from neuron_runtime.compiler._aoti import META_PATH, AotiCompiler, ArtifactMismatch, read_meta
+from neuron_runtime.compiler._reference import build_call
+
+pytestmark = pytest.mark.aoti
+REPO = Path(__file__).resolve().parents[2]
+
+
+def signature_of(qualname: str, *values: Any) -> tuple[_ops.OpInfo, dict[str, Any]]:
+    info = _ops.classify(qualname)
+    return info, _signature.build(info, values)
+
+
+class Compiled:
+    """One op compiled once per session: its signature, artifact and loaded executable."""
+
+    def __init__(self, compiler: Any, qualname: str, *values: Any) -> None:
+        self.info, self.signature = signature_of(qualname, *values)
+        self.payload: bytes = compiler.compile(self.signature)
+        self.exe = compiler.load(self.payload)
+
+
+@pytest.fixture(scope="session")
+def compiled(aoti_compiler: AotiCompiler) -> Iterator[dict[str, Compiled]]:
+    """add (float alpha, a transposed input), mm, a foreach op with a ScalarList, a reduction."""
+    a = torch.randn(8, 8)
+    bt = torch.randn(8, 8).t()  # strides (1, 8): the executable must honour the signature's strides
+    xs = [torch.randn(5), torch.randn(3, 4)]
+    yield {
+        "add": Compiled(aoti_compiler, "aten::add.Tensor", a, bt, 2.5),
+        "mm": Compiled(aoti_compiler, "aten::mm", torch.randn(16, 8), torch.randn(8, 4)),
+        "foreach": Compiled(aoti_compiler, "aten::_foreach_add.ScalarList", xs, [0.5, -2.0]),
+        "sum": Compiled(aoti_compiler, "aten::sum.dim_IntList", torch.randn(6, 10), [1], False, None),
+    }
+
+
+def run_both(c: Compiled, *values: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(executable's outputs, eager outputs) for one call with `values` in schema order."""
+    tensors, scalars = _dispatch.flatten(c.info, values)
+    got = list(c.exe(tensors, scalars))
+    want = list(build_call(c.signature, c.info.op)(tensors, scalars))
+    return got, want
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert isinstance(got, list) and len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+        assert g.stride() == w.stride()
+
+
+def test_ops_match_eager(compiled: dict[str, Compiled]) -> None:
+    assert_same(*run_both(compiled["add"], torch.randn(8, 8), torch.randn(8, 8).t(), 2.5))
+    assert_same(*run_both(compiled["mm"], torch.randn(16, 8), torch.randn(8, 4)))
+    assert_same(*run_both(compiled["sum"], torch.randn(6, 10), [1], False, None))
+    got, want = run_both(compiled["foreach"], [torch.randn(5), torch.randn(3, 4)], [0.5, -2.0])
+    assert [t.shape for t in got] == [torch.Size([5]), torch.Size([3, 4])]  # a Tensor[] comes back flat
+    assert_same(got, want)
+
+
+def test_scalars_are_run_time_inputs(compiled: dict[str, Compiled]) -> None:
+    """One executable, new alpha / learning-rate values: no recompile, right answers."""
+    a, b = torch.randn(8, 8), torch.randn(8, 8).t()
+    for alpha in (2.5, -7.25, 1e-3):
+        got, _ = run_both(compiled["add"], a, b, alpha)
+        torch.testing.assert_close(got[0], a + alpha * b)
+    xs = [torch.randn(5), torch.randn(3, 4)]
+    for lrs in ([0.5, -2.0], [1e-4, 3.0]):
+        got, _ = run_both(compiled["foreach"], xs, lrs)
+        for g, x, lr in zip(got, xs, lrs):
+            torch.testing.assert_close(g, x + lr)
+
+
+def test_misaligned_offset_inputs(compiled: dict[str, Compiled]) -> None:
+    """Views at odd storage offsets (data pointers not 64-byte aligned) with the signature's strides."""
+    buf = torch.randn(200)
+    a = buf[1:65].view(8, 8)
+    b = buf[67:131].view(8, 8).t()
+    assert a.data_ptr() % 64 and b.data_ptr() % 64 and b.stride() == (1, 8)
+    assert_same(*run_both(compiled["add"], a, b, 0.75))
+    m = torch.randn(300)
+    assert_same(*run_both(compiled["mm"], m[3:131].view(16, 8), m[133:165].view(8, 4)))
+
+
+def test_artifact_is_a_clean_pt2(compiled: dict[str, Compiled], aoti_compiler: AotiCompiler) -> None:
+    """A .pt2 zip holding the .so and JSON only: no pickled data, no sources; our metadata inside."""
+    with zipfile.ZipFile(io.BytesIO(compiled["add"].payload)) as z:
+        names = z.namelist()
+    assert any(n.endswith(".so") for n in names)
+    assert all(n.endswith((".so", ".json")) or "/." in n or n.rsplit("/", 1)[-1] in
+               ("archive_format", "archive_version", "byteorder") for n in names), names
+    assert any(n.endswith("/" + META_PATH) for n in names)
+    meta = read_meta(compiled["add"].payload)
+    assert meta["fingerprint"] == aoti_compiler.fingerprint()
+    assert meta["signature"] == compiled["add"].signature and meta["scalar_types"] == ["float"]
+
+
+def test_fingerprint_pins_the_target(aoti_compiler: AotiCompiler) -> None:
+    fp = aoti_compiler.fingerprint()
+    assert aoti_compiler.fingerprint() is fp  # computed once per process
+    assert fp["tier"] == "aoti" and fp["target"] == {"march": "x86-64-v3", "simdlen": 256}
+    assert fp["pins"]["cpp.march"] == "x86-64-v3" and "native" not in json.dumps(fp)
+    assert fp["torch"] == torch.__version__ and fp["torch_git"] and fp["cxx"]["version"]
+    for key in ("inductor_config", "machine", "libc", "python"):
+        assert fp[key]
+
+
+def test_fingerprint_mismatch_refuses_to_load(compiled: dict[str, Compiled], aoti_root: Path) -> None:
+    payload = compiled["add"].payload
+    other_isa = AotiCompiler(march="x86-64-v2", local_cache_dir=str(aoti_root / "neff"))
+    with pytest.raises(ArtifactMismatch, match="target"):
+        other_isa.load(payload)
+    # Same ISA, but the artifact claims another torch build.
+    forged = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(payload)) as src, zipfile.ZipFile(forged, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith(META_PATH):
+                meta = json.loads(data)
+                meta["fingerprint"]["torch"] = "2.0.0"
+                data = json.dumps(meta).encode()
+            dst.writestr(info, data)
+    mine = AotiCompiler(local_cache_dir=str(aoti_root / "neff"))
+    with pytest.raises(ArtifactMismatch, match="torch"):
+        mine.load(forged.getvalue())
+    with pytest.raises(ArtifactMismatch):
+        mine.load(b"not a zip at all")
+
+
+def test_refuses_what_it_cannot_compile(aoti_compiler: AotiCompiler) -> None:
+    _, sig = signature_of("aten::nonzero", torch.randn(4, 4))
+    with pytest.raises(CompileRefused, match="depends on the data"):
+        aoti_compiler.compile(sig)
+    _, sig = signature_of("aten::add.Tensor", torch.randn(4), torch.randn(4), 1j)
+    with pytest.raises(CompileRefused, match="complex"):
+        aoti_compiler.compile(sig)
+
+
+def test_loads_in_another_process_without_compiling(compiled: dict[str, Compiled], tmp_path: Path,
+                                                    aoti_root: Path) -> None:
+    """Another process (another host, as far as the artifact knows) loads the bytes and runs them."""
+    (tmp_path / "mm.pt2").write_bytes(compiled["mm"].payload)
+    script = textwrap.dedent(f"""
+        import json, statistics, sys, time
+        import torch
+        from neuron_runtime.compiler._aoti import AotiCompiler
+
+        def no_compile(self, signature):
+            raise AssertionError("load must never compile")
+        AotiCompiler.compile = no_compile
+        c = AotiCompiler(local_cache_dir={str(aoti_root / "neff")!r})
+        c.fingerprint()
+        payload = open({str(tmp_path / "mm.pt2")!r}, "rb").read()
+        times, exes = [], []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            exes.append(c.load(payload))
+            times.append(time.perf_counter() - t0)
+        a, b = torch.randn(16, 8), torch.randn(8, 4)
+        (out,) = exes[-1]([a, b], [])
+        torch.testing.assert_close(out, a @ b)
+        print(json.dumps({{"load_ms_p50": statistics.median(times) * 1e3}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["load_ms_p50"] < 1000
+
+
+def test_device_end_to_end(fresh_local_dir: Path) -> None:
+    """TORCH_NEURONX_COMPILER=aoti: an op on `neuron` compiles through this tier and matches CPU."""
+    script = textwrap.dedent("""
+        import json
+        import torch, neuron_runtime
+        torch.manual_seed(0)
+        x = torch.randn(64, device="neuron")
+        y = (x + x).cpu()
+        torch.testing.assert_close(y, x.cpu() * 2)
+        print(json.dumps(neuron_runtime.stats()))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(fresh_local_dir))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400,
+                          cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stats["compiler"] == "aoti"
+    assert stats["compiles"] >= 1 and not stats["fallback_ops"], stats
