@@ -1,5 +1,5 @@
-# Two commands do all set-up on a fresh clone: `make demo` and `make test`.
-PY ?= python3.11
+# Two commands do all set-up on a fresh clone: `make demo` and `make test` (README's quickstart).
+PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -7,11 +7,11 @@ STAMP := $(VENV)/.installed
 .PHONY: install demo test bench clean
 
 $(BIN)/python:
-	$(shell command -v $(PY) >/dev/null 2>&1 || echo python3) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 
+# torch==2.13.0 is pinned in pyproject.toml: pip takes the CPU build from this machine's wheel directory.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -19,6 +19,7 @@ install: $(STAMP)
 demo: install
 	$(BIN)/python -m neuron_runtime.demo
 
+# The tests start what they need themselves (moto S3 and gRPC servers on 127.0.0.1, subprocess "hosts").
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
