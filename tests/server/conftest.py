@@ -97,3 +97,12 @@ def server_factory(tmp_path: Path) -> Iterator[type[ServerProc]]:
 @pytest.fixture
 def server(server_factory: type[ServerProc]) -> ServerProc:
     return server_factory().start()
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """One server for a whole module (starting one per test dominated the run time)."""
+    tmp = tmp_path_factory.mktemp("shared")
+    s = ServerProc(tmp / "store", log=tmp / "server.log").start()
+    yield s
+    s.kill()

@@ -23,9 +23,12 @@ pytestmark = pytest.mark.timeout(120)
 
 class TestGrpcBackend(BackendContract):
     @pytest.fixture
-    def backend(self, server_factory: type[ServerProc]) -> Iterator[GrpcBackend]:
-        s = server_factory().start()
-        b = GrpcBackend(f"grpc://{s.address}", timeout_s=10)
+    def backend(self, shared_server: ServerProc) -> Iterator[GrpcBackend]:
+        # One server for the class; each test starts from an empty store.
+        with shared_server.client() as c:
+            for e in list(c.list()):
+                c.delete(e.key)
+        b = GrpcBackend(f"grpc://{shared_server.address}", timeout_s=10)
         yield b
         b.close()
 

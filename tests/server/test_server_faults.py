@@ -79,7 +79,8 @@ def test_bad_tokens_file_refuses_to_start(server_factory: type[ServerProc], tmp_
 
 
 @pytest.mark.parametrize("key", TRAVERSALS)
-def test_malformed_keys_and_traversal(server: ServerProc, key: str) -> None:
+def test_malformed_keys_and_traversal(shared_server: ServerProc, key: str) -> None:
+    server = shared_server
     ch = raw_channel(server)
     get = ch.unary_unary(f"/{SERVICE}/Get")
     delete = ch.unary_unary(f"/{SERVICE}/Delete")
@@ -102,7 +103,8 @@ def test_malformed_keys_and_traversal(server: ServerProc, key: str) -> None:
     ch.close()
 
 
-def test_malformed_messages(server: ServerProc) -> None:
+def test_malformed_messages(shared_server: ServerProc) -> None:
+    server = shared_server
     ch = raw_channel(server)
     lookup = ch.unary_unary(f"/{SERVICE}/Lookup")
     assert code_of(lookup, b"\xff\xff\xff", timeout=5) == grpc.StatusCode.INVALID_ARGUMENT
@@ -222,7 +224,8 @@ def test_disk_cap_evicts_lru_without_failing(server_factory: type[ServerProc]) -
     assert s2.client().get(keys[-1]) == blob
 
 
-def test_not_found_and_get_stream_miss(server: ServerProc) -> None:
+def test_not_found_and_get_stream_miss(shared_server: ServerProc) -> None:
+    server = shared_server
     ch = raw_channel(server)
     gs = ch.unary_stream(f"/{SERVICE}/GetStream")
     with pytest.raises(grpc.RpcError) as ei:

@@ -24,7 +24,7 @@ import neuron_runtime
 torch.manual_seed(0)
 m = torch.nn.Linear(4, 2).to("neuron")
 opt = torch.optim.SGD(m.parameters(), lr=0.1)
-for step in range(6):
+for step in range(4):
     x = torch.randn(4 + step, 4).to("neuron")  # a new batch size each step: new signatures, fleet traffic
     loss = m(x).pow(2).mean()
     loss.backward()
