@@ -400,6 +400,7 @@ class S3Store(FleetStore):
         config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
         self.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config, **options)
         self.fs.retries = 2  # s3fs's own retry loop (a class attribute, not an __init__ argument)
+        self._session_ready = False
 
     def _key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel
@@ -407,6 +408,11 @@ class S3Store(FleetStore):
     def _call(self, coro_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         from fsspec.asyn import sync
 
+        if not self._session_ready:
+            # Building the botocore client loads service models (~1 s of CPU, more on a busy host):
+            # do it once under its own, looser bound, so it does not eat the first request's timeout.
+            sync(self.fs.loop, self.fs.set_session, timeout=max(30.0, self.timeout_s))
+            self._session_ready = True
         return sync(self.fs.loop, coro_fn, *args, timeout=self.timeout_s, **kwargs)
 
     async def _read(self, key: str) -> tuple[bytes, str] | None:

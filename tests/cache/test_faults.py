@@ -26,9 +26,9 @@ def compile_for(key: str) -> Any:
 
 def test_s3_server_stopped_mid_run(tmp_path: Path, private_moto: Any) -> None:
     private_moto.make_bucket("neff")
-    cfg = make_cfg(tmp_path, fleet_timeout_s=2.0)
+    cfg = make_cfg(tmp_path)
     stats: dict[str, Any] = {}
-    fleet = S3Store("s3://neff/c", timeout_s=2.0, endpoint_url=private_moto.endpoint)
+    fleet = S3Store("s3://neff/c", timeout_s=10.0, endpoint_url=private_moto.endpoint)
     cache = TieredCache(LocalCache(cfg.local_cache_dir, cfg.cache_max_size), fleet, cfg, stats)
     before = [key_of(f"before{i}") for i in range(3)]
     for k in before:
