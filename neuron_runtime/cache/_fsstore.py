@@ -540,7 +540,7 @@ class S3Store(FleetStore):
         return self._guard("lease", False, live)
 
     def close(self) -> None:
-        self.fs = self.fs  # s3fs sessions close with the loop; nothing to release eagerly
+        pass  # s3fs closes its session with fsspec's I/O loop at exit; nothing to release eagerly
 
 
 class _S3Lease(Lease):

@@ -113,6 +113,8 @@ class LocalCache(CacheBackend):
     tier = "local"
 
     def __init__(self, directory: str, max_size: int, *, sqlite_timeout_s: float = 10.0) -> None:
+        # Every call is bounded by `sqlite_timeout_s` (SQLite's busy timeout; diskcache's retry=False):
+        # a process stuck holding the database lock makes the others miss, not hang.
         self.directory = os.path.abspath(os.path.expanduser(directory))
         self.url = self.directory
         self.max_size = max_size
@@ -171,7 +173,7 @@ class LocalCache(CacheBackend):
         if db is None:
             return None
         try:
-            value = db.get(key, default=None, retry=True)
+            value = db.get(key, default=None, retry=False)
         except IntegrityError:
             raise
         except (OSError, sqlite3.Error, diskcache.Timeout) as e:
@@ -188,7 +190,7 @@ class LocalCache(CacheBackend):
             return False
         try:
             # `add` is a no-op when the key exists: first writer wins, atomically (one SQLite transaction).
-            if db.add(key, data, retry=True):
+            if db.add(key, data, retry=False):
                 self._enforce_cap(db)
             return True
         except (OSError, sqlite3.Error, diskcache.Timeout) as e:
@@ -203,7 +205,7 @@ class LocalCache(CacheBackend):
             row = db._sql("SELECT key FROM Cache WHERE raw = 1 ORDER BY access_time LIMIT 1").fetchone()  # noqa: SLF001
             if row is None:
                 return
-            db.delete(row[0], retry=True)
+            db.delete(row[0], retry=False)
 
     def contains_many(self, keys: Iterable[str]) -> set[str]:
         wanted = [check_key(k) for k in keys]
@@ -229,7 +231,7 @@ class LocalCache(CacheBackend):
         if db is None:
             return False
         try:
-            return bool(db.delete(key, retry=True))
+            return bool(db.delete(key, retry=False))
         except (OSError, sqlite3.Error, diskcache.Timeout) as e:
             self.faults.record(_kind(e), "delete", e)
             return False

@@ -177,3 +177,22 @@ def test_network_filesystems_are_detected() -> None:
     assert is_network_fs("/mnt/efs/x", mountinfo)
     assert not is_network_fs("/mnt/efs/local/x", mountinfo)  # the longest mount point wins
     assert not is_network_fs("/fsxother", mountinfo)
+
+
+def test_a_held_database_lock_is_a_bounded_miss(tmp_path: Path) -> None:
+    """Another process stuck inside a write transaction: calls give up after the SQLite timeout."""
+    local = LocalCache(str(tmp_path / "l"), 1 << 30, sqlite_timeout_s=0.2)
+    k = key_of("locked")
+    assert local.put(k, b"v")
+    holder = sqlite3.connect(Path(local.entries_dir) / "cache.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # holds the write lock until we let go
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert local.put(key_of("other"), b"v") is False
+            assert local.get(k) is None  # an LRU read updates access time: a write
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert local.faults.counts == {"timeout": 2}
+    assert local.get(k) == b"v"
