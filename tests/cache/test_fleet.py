@@ -116,3 +116,42 @@ def test_the_cache_layer_is_torch_free() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(REPO), env=worker_env())
+
+
+_WRITER = """
+import sys, types
+p = types.ModuleType('neuron_runtime'); p.__path__ = ['neuron_runtime']; sys.modules['neuron_runtime'] = p
+from neuron_runtime import envelope
+from neuron_runtime.cache import LocalCache, SharedPathStore
+kind, where, key = sys.argv[1:4]
+store = SharedPathStore(where) if kind == 'path' else LocalCache(where, 1 << 34)
+entry = envelope.pack(key, {'signature': {}, 'fingerprint': {}}, b'x' * (96 << 20), None)
+print('ready', flush=True)
+store.put(key, entry)
+print('done', flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["path", "local"])
+def test_a_writer_killed_mid_write_leaves_nothing_that_loads(kind: str, tmp_path: Path) -> None:
+    from neuron_runtime import envelope
+    from neuron_runtime.cache import LocalCache, SharedPathStore
+
+    where = str(tmp_path / kind)
+    key = key_of("big")
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, kind, where, key], cwd=str(REPO), env=worker_env(),
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+
+    def writing() -> bool:  # some bytes of the entry are on disk, under a temp or value-file name
+        return any(f.stat().st_size > 0 for f in Path(where).rglob("*") if f.is_file() and not f.name.startswith("cache.db"))
+
+    wait_until(writing, timeout=60)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    store = SharedPathStore(where) if kind == "path" else LocalCache(where, 1 << 34)
+    data = store.get(key)
+    # Killed before publishing: no entry. (If the write won the race, the entry it published is whole.)
+    if data is not None:
+        envelope.unpack(data, expected_key=key, signing_key=None)
+    assert [e.key for e in store.entries()] == ([key] if data is not None else [])
