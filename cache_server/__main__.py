@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ._errors import ConfigError
 from ._keys import parse_size
+from .server import ServerConfig, serve
 
 log = logging.getLogger("cache_server")
 
@@ -74,10 +75,9 @@ def _build_parser(env: dict[str, str] | None = None) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> tuple[object, str]:
+def config_from_args(argv: Sequence[str] | None = None, env: dict[str, str] | None = None
+                     ) -> tuple[ServerConfig, str]:
     """Parse flags + env into a ServerConfig (and the log level). Raises ConfigError on bad values."""
-    from .server import ServerConfig
-
     ns = _build_parser(env).parse_args(argv)
     if not ns.storage:
         raise ConfigError(f"--storage is required (or set {ENV_PREFIX}STORAGE): a directory or s3://bucket/prefix")
@@ -127,9 +127,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     _log.configure(level)
     _tune_malloc()
-    from .server import ServerConfig, serve
-
-    assert isinstance(cfg, ServerConfig)
     try:
         asyncio.run(serve(cfg))
     except ConfigError as e:

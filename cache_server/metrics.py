@@ -26,14 +26,14 @@ _HELP = {
 
 class Metrics:
     def __init__(self) -> None:
-        self.counters: collections.Counter[tuple[str, tuple[tuple[str, str], ...]]] = collections.Counter()
+        self.counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = collections.defaultdict(float)
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
 
     def inc(self, name: str, amount: float = 1, **labels: str) -> None:
-        self.counters[(name, tuple(sorted(labels.items())))] += amount  # type: ignore[assignment]
+        self.counters[(name, tuple(sorted(labels.items())))] += amount
 
     def value(self, name: str, **labels: str) -> float:
-        return float(self.counters[(name, tuple(sorted(labels.items())))])
+        return self.counters.get((name, tuple(sorted(labels.items()))), 0.0)
 
     def gauge(self, name: str, help_text: str, fn: Callable[[], float]) -> None:
         self.gauges[name] = (help_text, fn)

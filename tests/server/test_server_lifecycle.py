@@ -38,14 +38,14 @@ def test_every_flag_has_an_env_twin(tmp_path: Path) -> None:
     env = {f.env: v for f, v in zip(FLAGS, [
         "127.0.0.1:1234", str(tmp_path), "2GiB", "1MiB", "", "", "", "", "127.0.0.1:9999", "0", "3", "DEBUG"])}
     cfg, level = config_from_args([], env)
-    assert (cfg.listen, cfg.storage, cfg.max_size, cfg.max_blob_size, cfg.metrics_listen, cfg.grace_s) == (  # type: ignore[attr-defined]
+    assert (cfg.listen, cfg.storage, cfg.max_size, cfg.max_blob_size, cfg.metrics_listen, cfg.grace_s) == (
         "127.0.0.1:1234", str(tmp_path), 2 * 1024**3, 1 << 20, "127.0.0.1:9999", 3.0)
     assert level == "DEBUG"
     # A flag beats its twin.
     cfg, _ = config_from_args(["--listen", "127.0.0.1:4321"], env)
-    assert cfg.listen == "127.0.0.1:4321"  # type: ignore[attr-defined]
+    assert cfg.listen == "127.0.0.1:4321"
     cfg, _ = config_from_args([], {"NEURON_CACHE_SERVER_STORAGE": "/x", "NEURON_CACHE_SERVER_REFLECTION": "1"})
-    assert cfg.reflection is True  # type: ignore[attr-defined]
+    assert cfg.reflection is True
     assert {f.env for f in FLAGS} == {"NEURON_CACHE_SERVER_" + f.name[2:].replace("-", "_").upper() for f in FLAGS}
 
 
