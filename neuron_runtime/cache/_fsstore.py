@@ -228,13 +228,42 @@ class SharedPathStore(FleetStore):
 
         return self._guard("delete", False, remove)
 
+    def quarantine(self, key: str, bad: bytes) -> bool:
+        """Move the entry to `v1/quarantine/` (kept for forensics, never read) if it still holds `bad`.
+
+        Several hosts may refuse the same entry at once; one of them may already have republished a
+        good one under the name. So: rename away (atomic), compare, and put it back if it was not the
+        bad entry. True if the bad entry was removed."""
+        path = self._path(key)
+        qdir = os.path.join(self.root, LAYOUT_VERSION, "quarantine")
+
+        def move() -> bool:
+            os.makedirs(qdir, exist_ok=True)
+            qpath = os.path.join(qdir, f"{key}.{int(time.time())}.{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(path, qpath)
+            except FileNotFoundError:
+                return False
+            with open(qpath, "rb") as f:
+                moved = f.read()
+            if moved == bad:
+                return True
+            try:
+                os.link(qpath, path)  # not ours to remove: restore it (unless yet another one appeared)
+            except FileExistsError:
+                pass
+            os.unlink(qpath)
+            return False
+
+        return self._guard("quarantine", False, move)
+
     def entries(self) -> Iterator[EntryInfo]:
         base = os.path.join(self.root, LAYOUT_VERSION)
         found: list[EntryInfo] = []
 
         def walk() -> None:
             for dirpath, dirnames, filenames in os.walk(base):
-                dirnames[:] = [d for d in dirnames if d != "leases"]
+                dirnames[:] = [d for d in dirnames if d not in ("leases", "quarantine")]
                 for name in filenames:
                     if name.endswith(SUFFIX) and not name.startswith("."):
                         try:
@@ -482,6 +511,28 @@ class S3Store(FleetStore):
             return True
 
         result: bool = self._guard("delete", False, lambda: self._call(remove))
+        return result
+
+    def quarantine(self, key: str, bad: bytes) -> bool:
+        """Delete the entry only if it is still `bad`: `If-Match` on the ETag, which S3 computes as the
+        MD5 of a single-part upload, so a good entry another host republished meanwhile survives."""
+        import hashlib
+
+        k = self._key(self.relpath(check_key(key)))
+        etag = '"%s"' % hashlib.md5(bad, usedforsecurity=False).hexdigest()
+
+        async def remove() -> bool:
+            try:
+                await self.fs._call_s3("delete_object", Bucket=self.bucket, Key=k, IfMatch=etag)
+                return True
+            except FileNotFoundError:
+                return False
+            except OSError as e:
+                if _s3_code(e) in ("PreconditionFailed", "412"):
+                    return False
+                raise
+
+        result: bool = self._guard("quarantine", False, lambda: self._call(remove))
         return result
 
     def entries(self) -> Iterator[EntryInfo]:

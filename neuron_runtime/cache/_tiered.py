@@ -113,7 +113,8 @@ class TieredCache:
     def _verify(self, key: str, data: bytes) -> envelope.Entry:
         return envelope.unpack(data, expected_key=key, signing_key=self.cfg.signing_key)
 
-    def _quarantine(self, name: str, backend: CacheBackend, key: str, err: IntegrityError) -> None:
+    def _quarantine(self, name: str, backend: CacheBackend, key: str, err: IntegrityError,
+                    bad: bytes | None = None) -> None:
         self._count("corrupt")
         self._warn(
             f"corrupt:{name}:{err.reason}",
@@ -121,7 +122,14 @@ class TieredCache:
             "Further %r refusals in this tier are counted in stats()['corrupt'], not shown",
             name, key, err, err.reason,
         )
-        if self.writable:
+        if not self.writable:
+            return
+        # Stores that can remove "this entry only if it is still the bad one" do so: another host may
+        # have republished a good entry under the key since we read it.
+        quarantine = getattr(backend, "quarantine", None)
+        if bad is not None and quarantine is not None:
+            self._safe(name, "quarantine", lambda: quarantine(key, bad), False)
+        else:
             self._safe(name, "delete", lambda: backend.delete(key), False)
 
     def _safe(self, name: str, op: str, fn: Callable[[], Any], default: Any) -> Any:
@@ -138,13 +146,14 @@ class TieredCache:
             return default
 
     def _read(self, name: str, backend: CacheBackend, key: str) -> tuple[envelope.Entry, bytes] | None:
+        data: bytes | None = None
         try:
             data = self._safe(name, "get", lambda: backend.get(key), None)
             if data is None:
                 return None
             return self._verify(key, data), data
         except IntegrityError as e:
-            self._quarantine(name, backend, key, e)
+            self._quarantine(name, backend, key, e, data)
             return None
 
     def _fill(self, upto: int, key: str, data: bytes) -> None:
@@ -157,13 +166,14 @@ class TieredCache:
 
     def _lookup(self, key: str) -> tuple[envelope.Entry, bytes, str] | None:
         for i, (name, backend) in enumerate(self.tiers):
+            data: bytes | None = None
             try:
                 data = self._safe(name, "get", functools.partial(backend.get, key), None)
                 if data is None:
                     continue
                 entry = self._verify(key, data)
             except IntegrityError as e:
-                self._quarantine(name, backend, key, e)
+                self._quarantine(name, backend, key, e, data)
                 continue
             self._count("hits", name)
             self._fill(i, key, data)
@@ -315,7 +325,7 @@ class TieredCache:
                 try:
                     return self._fleet_hit(key, self._verify(key, data), data)
                 except IntegrityError as e:
-                    self._quarantine("fleet", fleet, key, e)
+                    self._quarantine("fleet", fleet, key, e, data)
                     return None
             if time.monotonic() - started < delay:
                 # wait_for came back at once (the lease just changed hands): don't spin on try_lease.

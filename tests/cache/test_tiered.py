@@ -366,3 +366,23 @@ def test_from_config(tmp_path: Path) -> None:
     assert isinstance(cache.fleet, SharedPathStore)
     local_only = TieredCache.from_config(make_cfg(tmp_path / "2"), {})
     assert local_only.fleet is None
+
+
+@pytest.mark.parametrize("kind", ["path", "s3"])
+def test_quarantine_spares_a_good_entry_republished_meanwhile(kind: str, tmp_path: Path,
+                                                             request: pytest.FixtureRequest) -> None:
+    from neuron_runtime.cache import S3Store
+
+    store: Any = (SharedPathStore(str(tmp_path / "fleet")) if kind == "path"
+                  else S3Store(request.getfixturevalue("s3_url"), timeout_s=10))
+    k = key_of("republished")
+    bad = make_entry(k, b"p" * 100)[:-7]
+    store.put(k, bad)
+    seen = store.get(k)  # host A reads the bad entry ...
+    store.delete(k)  # ... host B quarantines it and republishes a good one
+    good = make_entry(k, b"good")
+    store.put(k, good)
+    assert store.quarantine(k, seen) is False  # A's late quarantine must not remove B's entry
+    assert store.get(k) == good
+    assert store.quarantine(k, good) is True  # (the same call on the bad bytes would have removed it)
+    assert store.get(k) is None and list(store.entries()) == []
