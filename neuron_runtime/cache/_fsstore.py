@@ -514,16 +514,17 @@ class S3Store(FleetStore):
         return result
 
     def quarantine(self, key: str, bad: bytes) -> bool:
-        """Delete the entry only if it is still `bad`: `If-Match` on the ETag, which S3 computes as the
-        MD5 of a single-part upload, so a good entry another host republished meanwhile survives."""
-        import hashlib
-
+        """Delete the entry only if it is still `bad`: read it with its ETag, compare, then delete with
+        `If-Match: <that ETag>`, so a good entry another host republished meanwhile survives. (Not
+        assuming ETag == MD5, which does not hold for SSE-KMS or multipart objects.)"""
         k = self._key(self.relpath(check_key(key)))
-        etag = '"%s"' % hashlib.md5(bad, usedforsecurity=False).hexdigest()
 
         async def remove() -> bool:
+            current = await self._read(k)
+            if current is None or current[0] != bad:
+                return False
             try:
-                await self.fs._call_s3("delete_object", Bucket=self.bucket, Key=k, IfMatch=etag)
+                await self.fs._call_s3("delete_object", Bucket=self.bucket, Key=k, IfMatch=current[1])
                 return True
             except FileNotFoundError:
                 return False
