@@ -110,8 +110,11 @@ class TieredCache:
                 hits = self.stats.setdefault(name, {})
                 hits[tier] = hits.get(tier, 0) + 1
 
-    def _verify(self, key: str, data: bytes) -> envelope.Entry:
+    def verify(self, key: str, data: bytes) -> envelope.Entry:
+        """`envelope.unpack` with this cache's signing key and policy; raises `IntegrityError`."""
         return envelope.unpack(data, expected_key=key, signing_key=self.cfg.signing_key)
+
+    _verify = verify  # the name the dispatcher used first
 
     def _quarantine(self, name: str, backend: CacheBackend, key: str, err: IntegrityError,
                     bad: bytes | None = None) -> None:
