@@ -1,8 +1,8 @@
 """Compile leases: one holder per key at a time, each with a TTL, and waiters woken when it ends.
 
-Leases live in the server's memory. With one server (disk storage) they are fleet-wide; with several
-replicas on one bucket each replica grants its own, so a key can be compiled once per replica at worst
-(correctness is unaffected: puts are first-writer-wins). A lease that is never released simply expires.
+These leases live in the server's memory: the disk storage's (one server owns one directory, so they are
+fleet-wide). S3 storage keeps its leases in the bucket instead (`storage/s3.py`), shared by every replica.
+A lease that is never released simply expires.
 """
 
 from __future__ import annotations

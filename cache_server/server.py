@@ -35,12 +35,15 @@ from ._proto.neuron_cache.v1 import cache_pb2 as pb
 from .auth import Auth, Role
 from .metrics import Metrics, serve_metrics
 from .storage import Storage, open_storage
+from .storage.s3 import S3Storage
 
 log = logging.getLogger(__name__)
 
 _MAX_LOOKUP_KEYS = 100_000
 _MAX_WAIT_S = 600.0
 _MAX_TTL_MS = 24 * 3600 * 1000
+# How often a WaitFor on S3 storage looks at the bucket (leases there can end on another replica).
+_SHARED_POLL_S = 0.2
 
 M = TypeVar("M", bound=Message)
 
@@ -294,7 +297,10 @@ class CacheService:
             raise InvalidRequest(f"ttl_ms must be in 1..{_MAX_TTL_MS}")
         if await self.storage.size(key) is not None:
             return pb.AcquireLeaseResponse(acquired=False, exists=True).SerializeToString()
-        lease_id = self.leases.acquire(key, req.ttl_ms / 1000, req.holder[:200])
+        if isinstance(self.storage, S3Storage):
+            lease_id = await self.storage.lease_acquire(key, req.ttl_ms / 1000, req.holder[:200])
+        else:
+            lease_id = self.leases.acquire(key, req.ttl_ms / 1000, req.holder[:200])
         if lease_id is None:
             return pb.AcquireLeaseResponse(acquired=False).SerializeToString()
         self.metrics.inc("neuron_cache_leases_acquired_total")
@@ -303,7 +309,11 @@ class CacheService:
     async def release_lease(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         req = _parse(pb.ReleaseLeaseRequest, raw)
         key = check_key(req.key)
-        return pb.ReleaseLeaseResponse(released=self.leases.release(key, req.lease_id)).SerializeToString()
+        if isinstance(self.storage, S3Storage):
+            released = await self.storage.lease_release(key, req.lease_id)
+        else:
+            released = self.leases.release(key, req.lease_id)
+        return pb.ReleaseLeaseResponse(released=released).SerializeToString()
 
     async def wait_for(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         req = _parse(pb.WaitForRequest, raw)
@@ -316,6 +326,8 @@ class CacheService:
         S = pb.WaitForResponse
         if await self.storage.size(key) is not None:
             return S(state=S.STORED).SerializeToString()
+        if isinstance(self.storage, S3Storage):
+            return S(state=await self._wait_shared(self.storage, key, timeout)).SerializeToString()
         ended = await self.leases.wait(key, timeout)
         if await self.storage.size(key) is not None:
             state = S.STORED
@@ -324,6 +336,20 @@ class CacheService:
         else:
             state = S.RELEASED if ended else S.TIMEOUT
         return S(state=state).SerializeToString()
+
+    async def _wait_shared(self, storage: S3Storage, key: str, timeout: float) -> int:
+        """Leases in the bucket can end on another replica: poll (bounded) for the entry or the lease's end."""
+        S = pb.WaitForResponse
+        if not await storage.lease_live(key):
+            return S.STORED if await storage.stored(key) else S.NO_LEASE
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(_SHARED_POLL_S, max(0.0, deadline - time.monotonic())))
+            if await storage.stored(key):
+                return S.STORED
+            if not await storage.lease_live(key):
+                return S.STORED if await storage.stored(key) else S.RELEASED
+        return S.TIMEOUT
 
     async def stats(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         _parse(pb.StatsRequest, raw)

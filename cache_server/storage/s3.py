@@ -3,6 +3,10 @@
 Layout: `s3://bucket/prefix/v1/<key>`. Writes are one PutObject with `If-None-Match: *` (create-only), so
 the first writer wins across replicas without a coordinator and a reader never sees a torn object.
 
+Compile leases live in the bucket too (`prefix/leases/v1/<key>/<generation>`, each created with
+`If-None-Match: *`), so replicas behind a load balancer grant one lease per key between them: the next
+generation can be created by exactly one taker once the latest has been released (deleted) or has expired.
+
 The byte cap bounds a single entry here; evicting by LRU would need every replica to agree on an access
 order, so expiry is left to a bucket lifecycle rule (docs/server.md says how). Entries are write-once, so a
 replica remembers keys it has seen present and only asks S3 about the others.
@@ -13,7 +17,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import io
+import json
 import logging
+import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,6 +42,7 @@ class S3Storage(Storage):
             raise ConfigError(f"--storage {url!r}: name a bucket, e.g. s3://my-bucket/neff")
         self.location = f"s3://{rest}"
         self._base = f"{rest}/{_VERSION_DIR}"
+        self._leases = f"{rest}/leases/{_VERSION_DIR}"
         self.max_bytes = max_bytes
         self._fs: Any = None
         # keys seen present (write-once entries: a positive answer stays true until a delete)
@@ -124,18 +132,8 @@ class S3Storage(Storage):
             raise TooLarge(f"entry {key} is {size} bytes, larger than --max-size ({self.max_bytes} bytes)")
         return _S3Writer(self, key, size)
 
-    async def _create(self, key: str, data: bytes) -> bool:
-        try:
-            await self._fs._pipe_file(self._path(key), data, mode="create")
-        except FileExistsError:
-            created = False
-        except OSError as e:
-            # Older s3fs/botocore pairs map 412 PreconditionFailed to EINVAL rather than FileExistsError.
-            if e.errno != errno.EINVAL or "recondition" not in str(e):
-                raise
-            created = False
-        else:
-            created = True
+    async def _create_entry(self, key: str, data: bytes) -> bool:
+        created = await self._create(self._path(key), data)
         self._remember(key, len(data))
         return created
 
@@ -161,6 +159,88 @@ class S3Storage(Storage):
             yield EntryInfo(key, int(info.get("size", 0)), ts)
 
 
+    # -- fleet-wide leases ---------------------------------------------------------------------------------
+
+    #: the server asks the storage for leases instead of keeping them in memory
+    shared_leases = True
+
+    async def _lease_objects(self, key: str) -> list[str]:
+        try:
+            names = await self._fs._ls(f"{self._leases}/{key}", refresh=True)
+        except FileNotFoundError:
+            return []
+        # zero-padded generations: string order is numeric order
+        return sorted(str(n) for n in names if str(n).rsplit("/", 1)[-1].isdigit())
+
+    async def _lease_body(self, path: str) -> dict[str, Any] | None:
+        try:
+            body = json.loads(await self._fs._cat_file(path))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {"expires": 0}  # unreadable: treat as expired so it cannot block the key forever
+        return body if isinstance(body, dict) else {"expires": 0}
+
+    async def _create(self, path: str, data: bytes) -> bool:
+        try:
+            await self._fs._pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+        except OSError as e:
+            # Older s3fs/botocore pairs map 412 PreconditionFailed to EINVAL rather than FileExistsError.
+            if e.errno != errno.EINVAL or "recondition" not in str(e):
+                raise
+            return False
+        return True
+
+    async def lease_acquire(self, key: str, ttl_s: float, holder: str) -> str | None:
+        """1. Find the latest generation; 2. refuse if it is live; 3. create the next one create-only (one
+        taker wins a race); 4. remove the older generations (best effort)."""
+        objs = await self._lease_objects(key)
+        gen = 0
+        if objs:
+            gen = int(objs[-1].rsplit("/", 1)[-1]) + 1
+            body = await self._lease_body(objs[-1])
+            if body is not None and float(body.get("expires", 0)) > time.time():
+                return None
+        lease_id = secrets.token_hex(12)
+        data = json.dumps({"id": lease_id, "expires": time.time() + ttl_s, "holder": holder}).encode()
+        if not await self._create(f"{self._leases}/{key}/{gen:012d}", data):
+            return None
+        for old in objs:
+            try:
+                await self._fs._rm_file(old)
+            except OSError as e:
+                log.debug("cannot remove old lease %s: %s", old, e)
+        return f"{gen}:{lease_id}"
+
+    async def lease_release(self, key: str, lease_id: str) -> bool:
+        gen, _, lid = lease_id.partition(":")
+        if not gen.isdigit() or not lid:
+            return False
+        path = f"{self._leases}/{key}/{int(gen):012d}"
+        body = await self._lease_body(path)
+        if body is None or body.get("id") != lid:
+            return False  # taken over after expiry: never drop the new holder's lease
+        try:
+            await self._fs._rm_file(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def lease_live(self, key: str) -> bool:
+        objs = await self._lease_objects(key)
+        if not objs:
+            return False
+        body = await self._lease_body(objs[-1])
+        return body is not None and float(body.get("expires", 0)) > time.time()
+
+    async def stored(self, key: str) -> bool:
+        """Whether the entry exists now, asking S3 rather than this replica's memory of it."""
+        self._known.pop(key, None)
+        return await self.size(key) is not None
+
+
 class _S3Writer(Writer):
     """Buffers the upload in memory (entries are bounded by --max-size) and creates the object at commit,
     so an aborted or crashed upload never leaves an object behind."""
@@ -174,7 +254,7 @@ class _S3Writer(Writer):
 
     async def commit(self) -> bool:
         data, self._buf = self._buf.getvalue(), io.BytesIO()
-        return await self._store._create(self._key, data)
+        return await self._store._create_entry(self._key, data)
 
     async def abort(self) -> None:
         self._buf = io.BytesIO()

@@ -42,3 +42,43 @@ def test_two_replicas_share_one_bucket(moto_s3: MotoS3, server_factory: type[Ser
 def test_missing_bucket_fails_at_start(moto_s3: MotoS3, server_factory: type[ServerProc]) -> None:
     with pytest.raises(RuntimeError, match="cannot reach"):
         server_factory("s3://no-such-bucket-here/x", env=moto_s3.env()).start()
+
+
+def test_leases_are_shared_by_replicas(moto_s3: MotoS3, server_factory: type[ServerProc]) -> None:
+    """A lease granted through one replica holds on the other; waiters there see the entry or the release."""
+    import threading
+    import time
+
+    from cache_server import LeaseState
+
+    bucket = f"lease-{uuid.uuid4().hex[:8]}"
+    moto_s3.make_bucket(bucket)
+    url = f"s3://{bucket}/fleet"
+    a = server_factory(url, env=moto_s3.env()).start()
+    b = server_factory(url, env=moto_s3.env()).start()
+    ca, cb = a.client(), b.client()
+    k = key_of("shared-lease")
+    held = ca.acquire_lease(k, ttl_s=60, holder="a")
+    assert held.acquired
+    assert not cb.acquire_lease(k, ttl_s=60).acquired  # the other replica sees it
+    assert not ca.acquire_lease(k, ttl_s=60).acquired
+    threading.Timer(0.5, lambda: (ca.put(k, b"compiled once"), ca.release_lease(k, held.lease_id))).start()
+    assert cb.wait_for(k, 20) is LeaseState.STORED
+    assert cb.get(k) == b"compiled once"
+    assert cb.acquire_lease(k, ttl_s=60).exists
+    # Released without an entry: a waiter on the other replica is told to compile itself.
+    k2 = key_of("gave-up")
+    lease = cb.acquire_lease(k2, ttl_s=60)
+    assert lease.acquired
+    threading.Timer(0.5, lambda: cb.release_lease(k2, lease.lease_id)).start()
+    assert ca.wait_for(k2, 20) is LeaseState.RELEASED
+    assert ca.wait_for(key_of("nobody"), 5) is LeaseState.NO_LEASE
+    # An expired lease is taken over exactly once, and its late release does not drop the new holder.
+    k3 = key_of("stale")
+    dead = ca.acquire_lease(k3, ttl_s=0.3)
+    assert dead.acquired
+    time.sleep(0.6)
+    takers = [c.acquire_lease(k3, ttl_s=60) for c in (ca, cb, ca, cb)]
+    assert sum(t.acquired for t in takers) == 1
+    assert ca.release_lease(k3, dead.lease_id) is False
+    assert not cb.acquire_lease(k3, ttl_s=60).acquired
