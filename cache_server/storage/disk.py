@@ -6,7 +6,8 @@ Layout (the format version is part of the path, like bazel-remote's `ac.v2`):
 
 Writes go temp file → fsync → link into place → fsync dir. `os.link` fails when the target exists, which
 gives first-writer-wins without a lock, and a crash at any point leaves either no entry or a whole one.
-The LRU order lives in memory; at start it is rebuilt from file mtimes (oldest first).
+The LRU order lives in memory and each hit also bumps the file's mtime, so at start the order is rebuilt
+from mtimes (least recently used first).
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ class DiskStorage(Storage):
     def _touch(self, key: str) -> None:
         if key in self._index:
             self._index.move_to_end(key)
+            # Record the access on disk too, so the LRU order survives a restart (the index is rebuilt
+            # from mtimes). One utime per hit is a few microseconds against a whole gRPC call.
+            try:
+                os.utime(self._path(key))
+            except OSError:
+                pass
 
     async def read(self, key: str) -> bytes | None:
         size = self._index.get(key)

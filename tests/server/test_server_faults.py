@@ -217,11 +217,16 @@ def test_disk_cap_evicts_lru_without_failing(server_factory: type[ServerProc]) -
     assert c.get(keys[-1]) == blob
     on_disk = sum(p.stat().st_size for p in store_files(Path(s.storage)))
     assert on_disk <= 1 << 20
-    # The index is rebuilt from disk after a restart.
+    # The index is rebuilt from disk after a restart, in LRU order: the hot entry is still the last to go.
     s.terminate()
     s2 = server_factory(s.storage, "--max-size", "1MiB").start()
-    assert s2.client().stats()["entries"] == st["entries"]
-    assert s2.client().get(keys[-1]) == blob
+    c2 = s2.client()
+    assert c2.stats()["entries"] == st["entries"]
+    assert c2.lookup([keys[0], keys[-1]]) == [True, True]  # (a lookup is not an access)
+    for i in range(8):
+        assert c2.put(key_of(f"after{i}"), blob)
+    assert c2.get(keys[0]) == blob
+    assert c2.get(keys[-2]) is None  # older than keys[0]'s last access: evicted first
 
 
 def test_not_found_and_get_stream_miss(shared_server: ServerProc) -> None:
