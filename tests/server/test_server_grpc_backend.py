@@ -127,9 +127,9 @@ class BlackHole:
 def test_dead_server_costs_one_deadline_per_breaker_window() -> None:
     hole = BlackHole()
     try:
-        b = GrpcBackend(f"grpc://127.0.0.1:{hole.port}?breaker=2", timeout_s=0.3)
+        # A window far longer than the test: every call after the first is answered by the open breaker.
+        b = GrpcBackend(f"grpc://127.0.0.1:{hole.port}?breaker=600", timeout_s=0.3)
         k = key_of("dead")
-        t0 = time.monotonic()
         for _ in range(50):
             assert b.get(k) is None
             assert b.put(k, b"x") is False
@@ -139,11 +139,13 @@ def test_dead_server_costs_one_deadline_per_breaker_window() -> None:
         assert b.faults.counts["unavailable"] == 1
         assert b.faults.counts["circuit_open"] == 199
         assert b.breaker.trips == 1
-        assert time.monotonic() - t0 < 2  # all 200 calls fit inside the first window
-        time.sleep(2.1)  # window over: exactly one probe, which fails and reopens the breaker
-        for _ in range(20):
-            assert b.get(k) is None
-        assert b.faults.counts["unavailable"] == 2 and b.breaker.trips == 2
+        # After a window: exactly one probe, which fails and reopens the breaker for another window.
+        short = GrpcBackend(f"grpc://127.0.0.1:{hole.port}?breaker=3", timeout_s=0.3)
+        assert short.get(k) is None
+        time.sleep(3.2)
+        for _ in range(10):
+            assert short.get(k) is None
+        assert short.faults.counts["unavailable"] == 2 and short.breaker.trips == 2
     finally:
         hole.close()
 
@@ -181,8 +183,10 @@ def test_job_survives_server_kill_and_recovers(server_factory: type[ServerProc])
     time.sleep(0.5)
     s.kill()
     before = len(steps)
-    time.sleep(1.0)
-    assert len(steps) > before  # still stepping while the server is gone
+    wait_until = time.monotonic() + 30
+    while len(steps) <= before + 20 and time.monotonic() < wait_until:
+        time.sleep(0.05)
+    assert len(steps) > before + 20  # still stepping while the server is gone
     s2 = server_factory(s.storage, port=s.port).start()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and b.get(key_of("step1")) is None:

@@ -117,8 +117,9 @@ def test_open_server_says_so_and_logs_json(server: ServerProc) -> None:
     assert serving and serving[0]["port"] == server.port
 
 
-def test_sigterm_not_serving_then_drains(server: ServerProc) -> None:
+def test_sigterm_not_serving_then_drains(server_factory: type[ServerProc]) -> None:
     """Health flips to NOT_SERVING on SIGTERM, an in-flight call still completes, the process exits 0."""
+    server = server_factory(None, "--grace", "15").start()
     channel = grpc.insecure_channel(server.address)
     watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=HEALTH_SERVICE),
                                                       timeout=30)
@@ -128,13 +129,13 @@ def test_sigterm_not_serving_then_drains(server: ServerProc) -> None:
     lease = client.acquire_lease(key, ttl_s=30)
     assert lease.acquired
     result: list[object] = []
-    waiter = threading.Thread(target=lambda: result.append(client.wait_for(key, 1.0)))
+    waiter = threading.Thread(target=lambda: result.append(client.wait_for(key, 4.0)))
     waiter.start()
-    time.sleep(0.3)  # the WaitFor call is in flight now
+    time.sleep(1.0)  # the WaitFor call is in flight now (it lasts 4 s; the grace is 15 s)
     assert server.proc is not None
     server.proc.send_signal(signal.SIGTERM)
     assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
-    waiter.join(10)
+    waiter.join(20)
     assert [getattr(r, "name", r) for r in result] == ["TIMEOUT"]  # finished normally during the drain
     assert server.proc.wait(15) == 0
     channel.close()
