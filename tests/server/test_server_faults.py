@@ -178,9 +178,10 @@ def test_sigkill_mid_upload_leaves_no_entry(server_factory: type[ServerProc], tm
     t = threading.Thread(target=lambda: _put(c, header, slow_chunks(), errors))
     t.start()
     assert sent.wait(20)
-    time.sleep(0.5)
-    tmp_files = list((Path(s.storage) / "tmp").iterdir())
-    assert tmp_files, "the upload should be in progress as a temp file"
+    wait_until = time.monotonic() + 20
+    while not list((Path(s.storage) / "tmp").iterdir()) and time.monotonic() < wait_until:
+        time.sleep(0.05)
+    assert list((Path(s.storage) / "tmp").iterdir()), "the upload should be in progress as a temp file"
     s.kill()
     t.join(40)
     assert errors  # the client saw the failure
