@@ -422,13 +422,15 @@ class S3Store(FleetStore):
         }
         options.update(storage_options)
         config = dict(options.pop("config_kwargs", None) or {})
-        # Bounded: one botocore retry, short connects; s3fs's own retry loop also limited. The overall
-        # bound is the per-call timeout passed to fsspec's sync().
+        # Bounded: one botocore retry, short connects. The overall bound is the per-call timeout
+        # passed to fsspec's sync().
         config.setdefault("connect_timeout", min(timeout_s, 5.0))
         config.setdefault("read_timeout", timeout_s)
         config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
         self.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config, **options)
-        self.fs.retries = 2  # s3fs's own retry loop (a class attribute, not an __init__ argument)
+        # s3fs's own retry loop (a class attribute, not an __init__ argument) would multiply botocore's
+        # attempts; one botocore retry is enough for a cache, the breaker handles a struggling store.
+        self.fs.retries = 1
         self._session_ready = False
 
     def _key(self, rel: str) -> str:

@@ -98,7 +98,8 @@ def error_s3(request: pytest.FixtureRequest) -> Iterator[tuple[str, type[_ErrorS
 )
 def test_throttling_and_5xx_are_misses(tmp_path: Path, moto_s3: Any, error_s3: tuple[str, Any], kind: str) -> None:
     endpoint, handler = error_s3
-    fleet = S3Store("s3://neff/c", timeout_s=5.0, endpoint_url=endpoint)
+    # A generous timeout, so the fault is classified from the answer, not from a slow, busy test host.
+    fleet = S3Store("s3://neff/c", timeout_s=30.0, endpoint_url=endpoint)
     cfg = make_cfg(tmp_path)
     stats: dict[str, Any] = {}
     cache = TieredCache(LocalCache(cfg.local_cache_dir, cfg.cache_max_size), fleet, cfg, stats)
@@ -111,7 +112,7 @@ def test_throttling_and_5xx_are_misses(tmp_path: Path, moto_s3: Any, error_s3: t
     assert stats["fleet_errors"] >= len(keys) and stats["writes_skipped"] == len(keys)
     # Retries are bounded and the breaker stops hammering a struggling endpoint: the first op pays a
     # few attempts, the rest are skipped until the cooldown ends.
-    assert 1 <= handler.requests <= 12, handler.requests
+    assert 1 <= handler.requests <= 4, handler.requests
     assert sum(issubclass(w.category, CacheWarning) for w in caught) == len(fleet.faults.counts)
 
 
