@@ -66,7 +66,7 @@ def test_racing_writers_leave_one_readable_entry(store: str, tmp_path: Path) -> 
 def test_sigkilled_lease_holder_is_taken_over_after_the_ttl(store: str, tmp_path: Path) -> None:
     key = key_of("orphan")
     count_dir = tmp_path / "compiles"
-    spec = {"store": store, "keys": [key], "count_dir": str(count_dir), "compile_s": 0.2, "lease_ttl_s": 3.0}
+    spec = {"store": store, "keys": [key], "count_dir": str(count_dir), "compile_s": 0.2, "lease_ttl_s": 6.0}
     holder = start_workers(1, dict(spec, hang_on=key), tmp_path / "holder")[0]
     release(tmp_path / "holder")
     wait_until(lambda: (count_dir / f"{key}-host0-started").exists())
@@ -74,7 +74,7 @@ def test_sigkilled_lease_holder_is_taken_over_after_the_ttl(store: str, tmp_path
     holder.wait()
     assert holder.returncode == -signal.SIGKILL
 
-    results = run_hosts(3, store, [key], tmp_path / "survivors", compile_s=0.2, lease_ttl_s=3.0,
+    results = run_hosts(3, store, [key], tmp_path / "survivors", compile_s=0.2, lease_ttl_s=6.0,
                         count_dir=str(count_dir))
     started = [f for f in os.listdir(count_dir) if f.endswith("-started")]
     compiled = [f for f in os.listdir(count_dir) if not f.endswith("-started")]
