@@ -115,8 +115,13 @@ def _diff(part: str, path: str, here: Any, entry: Any) -> dict[str, Any]:
     return {"part": part, "path": path, "here": here, "entry": entry}
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal as the key sees them: 1, 1.0 and True are three different values."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
 def _tensor_diffs(path: str, a: Any, b: Any) -> list[dict[str, Any]]:
-    if a == b:
+    if _same(a, b):
         return []
     if a is None or b is None:
         return [_diff("argument kind", path, a, b)]
@@ -129,10 +134,10 @@ def _tensor_diffs(path: str, a: Any, b: Any) -> list[dict[str, Any]]:
         return [_diff("argument kind", path, "number" if wa else "tensor", "number" if wb else "tensor")]
     out = []
     for field, part in (("dtype", "dtype"), ("sizes", "shape"), ("strides", "strides")):
-        if a.get(field) != b.get(field):
+        if not _same(a.get(field), b.get(field)):
             out.append(_diff(part, f"{path}.{field}", a.get(field), b.get(field)))
-    for field in sorted(set(a) | set(b) - {"dtype", "sizes", "strides"}):
-        if a.get(field) != b.get(field):
+    for field in sorted((set(a) | set(b)) - {"dtype", "sizes", "strides"}):
+        if not _same(a.get(field), b.get(field)):
             out.append(_diff("tensor metadata", f"{path}.{field}", a.get(field), b.get(field)))
     return out
 
@@ -147,7 +152,7 @@ def _value_type(v: Any) -> str:
 
 def _arg_diffs(name: str, kind: str, a: Any, b: Any) -> list[dict[str, Any]]:
     path = f"args.{name}"
-    if a == b:
+    if _same(a, b):
         return []
     if kind in (_ops.TENSOR, _ops.OPT_TENSOR):
         return _tensor_diffs(path, a, b)
@@ -159,12 +164,8 @@ def _arg_diffs(name: str, kind: str, a: Any, b: Any) -> list[dict[str, Any]]:
     if kind in (_ops.SCALAR, _ops.SCALARS):
         return [_diff("scalar type", path, a, b)]
     if kind == _ops.VALUE:
-        same_type = _value_type(a) == _value_type(b)
-        # 1 == 1.0 == True in Python but not in the key: say so, or the diff would look empty.
-        if not same_type and json.dumps(a) != json.dumps(b) and a == b:
-            return [_diff("structural value type", path, a, b)]
-        if not same_type and (isinstance(a, bool) or isinstance(b, bool) or
-                              {type(a), type(b)} == {int, float}):
+        # 1 == 1.0 == True in Python but not in the key: name the type, or the diff would look empty.
+        if _value_type(a) != _value_type(b) and a == b:
             return [_diff("structural value type", path, a, b)]
         return [_diff("structural value", path, a, b)]
     return [_diff("argument", path, a, b)]
@@ -182,8 +183,8 @@ def signature_diffs(here: dict[str, Any], entry: dict[str, Any]) -> list[dict[st
         return out
     for (name, kind, a), (_, _, b) in zip(ha, ea):
         out.extend(_arg_diffs(name, kind, a, b))
-    for k in sorted(set(here) | set(entry) - {"op", "schema", "args"}):
-        if here.get(k) != entry.get(k):
+    for k in sorted((set(here) | set(entry)) - {"op", "schema", "args"}):
+        if not _same(here.get(k), entry.get(k)):
             out.append(_diff("signature field", k, here.get(k), entry.get(k)))
     return out
 
@@ -191,7 +192,7 @@ def signature_diffs(here: dict[str, Any], entry: dict[str, Any]) -> list[dict[st
 def fingerprint_diffs(here: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for k in sorted(set(here) | set(entry)):
-        if here.get(k) != entry.get(k):
+        if not _same(here.get(k), entry.get(k)):
             out.append(_diff(FINGERPRINT_PARTS.get(k, f"fingerprint {k}"), f"fingerprint.{k}",
                              here.get(k), entry.get(k)))
     return out

@@ -113,8 +113,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
         print(f"neuron-cache warm: recording {' '.join(job)} (reference tier) -> {manifest}", file=sys.stderr)
         t0 = time.monotonic()
         try:
-            # With --json, stdout belongs to the summary: the job's own output goes to stderr.
-            rc = subprocess.call(job, env=job_env, stdout=sys.stderr if args.json else None)
+            # With --json, stdout belongs to the summary: the job's own output goes to stderr (fd 2).
+            rc = subprocess.call(job, env=job_env, stdout=2 if args.json else None)
         except OSError as e:
             raise JobError(f"cannot start {job[0]!r}: {e}; pass the job after `--`, e.g. "
                            "neuron-cache warm -- python train.py") from e

@@ -1,0 +1,151 @@
+"""`neuron-cache warm` / `compile` end to end, with real processes: the job, the CLI, its workers, and a
+strict consumer afterwards. Target tier `reference` (milliseconds per compile) unless marked aoti."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from neuron_runtime.cli import main
+
+JOB = """
+import json, os, sys, torch, neuron_runtime
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to('neuron')
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+x, y = torch.randn(8, 8, device='neuron'), torch.randint(0, 4, (8,), device='neuron')
+for step in range(2):
+    opt.zero_grad(); loss = torch.nn.functional.cross_entropy(model(x), y); loss.backward(); opt.step()
+    if os.environ.get('CRASH_AFTER_FORWARD') and step == 0:
+        raise RuntimeError('warm-up script crashed midway')
+print('loss', loss.item())
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("TORCH_NEURONX_NEFF_CACHE_DIR", "TORCH_NEURONX_CACHE_MODE", "TORCH_NEURONX_STATS_FILE"):
+        env.pop(var, None)
+    env.update(extra)
+    return env
+
+
+def _cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "neuron_runtime.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _in_process(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, Any, str]:
+    rc = main(args)
+    out, err = capsys.readouterr()
+    return rc, json.loads(out) if "--json" in args else out, err
+
+
+def test_warm_then_strict_job_compiles_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = tmp_path / "train.py"
+    job.write_text(JOB)
+    local, fleet, manifest = tmp_path / "local", tmp_path / "fleet", tmp_path / "manifest.jsonl"
+    r = _cli(["warm", "--tier", "reference", "--jobs", "2", "--local-dir", str(local), "--to", str(fleet),
+              "--manifest", str(manifest), "--json", "--", sys.executable, str(job)], _env())
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)  # stdout holds the summary alone: the job's print went to stderr
+    assert "loss" in r.stderr and "compile [" in r.stderr  # job output and progress on stderr
+    n = summary["signatures"]
+    assert n > 10 and summary["compiled"] == n and summary["failed"] == 0 and summary["job"]["returncode"] == 0
+    assert len(manifest.read_text().splitlines()) == n
+    assert not any((local.parent / d).exists() for d in ("reference-cache",))  # the recording cache is gone
+
+    # A production host: strict mode, an empty local tier, only the fleet store that warm pushed to.
+    stats = tmp_path / "strict.stats.json"
+    r = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, timeout=300, env=_env(
+        TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_CACHE_MODE="strict",
+        TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(tmp_path / "prod-local"), TORCH_NEURONX_NEFF_CACHE_DIR=str(fleet),
+        TORCH_NEURONX_STATS_FILE=str(stats)))
+    assert r.returncode == 0, r.stderr
+    s = json.loads(stats.read_text())
+    assert s["compiles"] == 0 and s["misses"] == 0 and s["hits"]["fleet"] == n
+
+    # The same manifest again: everything present, no worker started; stats sees the strict run's counters.
+    rc, again, _ = _in_process(capsys, ["compile", str(manifest), "--tier", "reference", "--local-dir", str(local),
+                                        "--to", str(fleet), "--json"])
+    assert rc == 0 and again["present"] == n and again["compiled"] == 0
+    rc, st, _ = _in_process(capsys, ["stats", "--local-dir", str(local), "--fleet", str(fleet),
+                                     "--run-stats", str(stats), "--json"])
+    assert rc == 0 and st["tiers"]["local"]["entries"] == n and st["tiers"]["fleet"]["entries"] == n
+    assert st["entries"] == 2 * n and st["bytes"] > 0
+    assert st["runs"][0]["compiles"] == 0 and st["runs"][0]["hits"]["fleet"] == n
+    assert [w["command"] for w in st["warm_runs"]] == ["warm", "compile"]
+
+
+def test_warm_script_crashing_midway_still_compiles_what_it_recorded(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    job = tmp_path / "train.py"
+    job.write_text(JOB)
+    local = tmp_path / "local"
+    monkeypatch.setenv("CRASH_AFTER_FORWARD", "1")
+    # The CLI in this process (the job and the worker are still processes of their own).
+    rc = main(["warm", "--tier", "reference", "--jobs", "1", "--local-dir", str(local), "--json", "--no-progress",
+               "--", sys.executable, str(job)])
+    out, err = capfd.readouterr()
+    assert rc == 1, err  # the job failed: CI must notice
+    assert "crashed midway" in err
+    summary = json.loads(out)
+    assert summary["job"]["returncode"] != 0
+    assert summary["signatures"] >= 5 and summary["compiled"] == summary["signatures"] and summary["failed"] == 0
+    rc, rows, _ = _in_process(capfd, ["ls", "--local-dir", str(local), "--json"])
+    assert rc == 0 and len(rows) == summary["signatures"]
+    assert any(row["op"] == "aten::addmm" for row in rows)  # the forward pass, recorded before the crash
+
+
+SIGNATURES = [
+    {"op": "aten::fill.Scalar", "schema": "aten::fill.Scalar(Tensor self, Scalar value) -> Tensor",
+     "args": [["self", "tensor", {"dtype": "float32", "sizes": [4, 3], "strides": [3, 1]}],
+              ["value", "scalar", "float"]]},
+    {"op": "aten::mul.Tensor", "schema": "aten::mul.Tensor(Tensor self, Tensor other) -> Tensor",
+     "args": [["self", "tensor", {"dtype": "float32", "sizes": [4, 3], "strides": [3, 1]}],
+              ["other", "tensor", {"wrapped": "int"}]]},
+    {"op": "aten::sum.dim_IntList",
+     "schema": "aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor",
+     "args": [["self", "tensor", {"dtype": "float32", "sizes": [4, 3], "strides": [3, 1]}], ["dim", "value", [1]],
+              ["keepdim", "value", False], ["dtype", "value", None]]},
+]
+
+
+def test_compile_manifest_with_bad_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "m.jsonl"
+    unknown = {"op": "aten::no_such_op.default", "schema": "aten::no_such_op(Tensor self) -> Tensor",
+               "args": [["self", "tensor", {"dtype": "float32", "sizes": [2], "strides": [1]}]]}
+    lines = [json.dumps({"op": SIGNATURES[0]["op"], "signature": SIGNATURES[0]}),
+             '{"op": "aten::mul.Tensor", "signature": {"op": "aten::mul.Tensor", "args": [',  # cut short
+             json.dumps({"op": SIGNATURES[1]["op"], "signature": SIGNATURES[1]}),
+             json.dumps({"op": "aten::add.Tensor"}),  # no signature
+             "",
+             json.dumps(SIGNATURES[2]),  # a bare signature is accepted too
+             json.dumps({"op": unknown["op"], "signature": unknown})]
+    manifest.write_text("\n".join(lines) + "\n")
+    local = tmp_path / "local"
+    rc, s, err = _in_process(capsys, ["compile", str(manifest), "--tier", "reference", "--jobs", "1",
+                                      "--local-dir", str(local), "--json", "--no-progress"])
+    assert rc == 1
+    assert [e["line"] for e in s["manifest_errors"]] == [2, 4]
+    assert f"{manifest}:2: not a manifest line (invalid JSON" in err and f"{manifest}:4:" in err
+    assert s["compiled"] == 3 and s["refused"] == 1 and s["failed"] == 0
+    (refusal,) = s["failures"]
+    assert refusal["line"] == 7 and refusal["op"] == unknown["op"] and "unknown op" in refusal["reason"]
+    rc, rows, _ = _in_process(capsys, ["ls", "--local-dir", str(local), "--json"])
+    assert sorted(r["op"] for r in rows) == sorted(sig["op"] for sig in SIGNATURES)
+
+
+def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["warm", "--local-dir", str(tmp_path)]) == 2
+    assert "neuron-cache warm [options] -- python train.py" in capsys.readouterr().err
+    assert main(["compile", str(tmp_path / "missing.jsonl")]) == 2
+    assert "TORCH_NEURONX_RECORD_FILE" in capsys.readouterr().err
+    assert main(["warm", "--local-dir", str(tmp_path), "--", str(tmp_path / "no-such-program")]) == 1
+    assert "cannot start" in capsys.readouterr().err
