@@ -470,7 +470,10 @@ def _tensor_key(x: str) -> str:
 
 
 def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
-    """Generate the kernel of a compute or mutating op from its schema."""
+    """Generate the kernel of a compute or mutating op from its schema.
+
+    Every name the generated code introduces starts with `_z` (no schema argument does), so an op's
+    arguments (`N`, `key`, `out`, ...) never shadow them."""
     f = info.functional or info
     fnames = {a.name for a in f.args}
     params: list[str] = []
@@ -479,12 +482,13 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     for a in info.args:
         if a.has_default:
             defaults.append(a.default)
-            p = f"{a.name}=DF[{len(defaults) - 1}]"
+            p = f"{a.name}=_zDF[{len(defaults) - 1}]"
         else:
             p = a.name
         (kwonly if a.kwarg_only else params).append(p)
     sig = ", ".join(params + (["*"] + kwonly if kwonly else []))
-    body: list[str] = []
+    key_lines: list[str] = []
+    alias_lines: list[str] = []
     key_items: list[str] = []
     tens: list[str] = []   # expressions building the tensor list
     scal: list[str] = []   # expressions building the scalar list
@@ -493,30 +497,33 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         n, k = a.name, a.kind
         if k == _ops.TENSOR:
             # A Python number here is a "wrapped number" (`x * 2`): keyed by type, passed as is.
-            body.append(f"k{j} = {n}.__class__ if {n}.__class__ in NUM else {_tensor_key(n)}")
-            body.append(f"if k{j}.__class__ is type: c{j} = {n}")
-            body.append("else:")
-            body.append(f"    e = AG(id({n}))")
-            body.append(f"    c{j} = e[0] if e is not None and e[2] == k{j} and e[1] == {n}.data_ptr() else AS({n}, k{j})")
-            key_items.append(f"k{j}")
-            tens.append(f"c{j}")
-            mutated[n] = f"c{j}"
+            key_lines.append(f"_zk{j} = {n}.__class__ if {n}.__class__ in _zNUM else {_tensor_key(n)}")
+            alias_lines += [
+                f"if _zk{j}.__class__ is type: _zc{j} = {n}",
+                "else:",
+                f"    _ze = _zAG(id({n}))",
+                f"    _zc{j} = _ze[0] if _ze is not None and _ze[2] == _zk{j} and _ze[1] == {n}.data_ptr() "
+                f"else _zAS({n}, _zk{j})",
+            ]
+            key_items.append(f"_zk{j}")
+            tens.append(f"_zc{j}")
+            mutated[n] = f"_zc{j}"
         elif k == _ops.OPT_TENSOR:
             key_items.append(f"(None if {n} is None else {_tensor_key(n)})")
-            tens.append(f"*(() if {n} is None else (AL({n}),))")
+            tens.append(f"*(() if {n} is None else (_zAL({n}),))")
         elif k == _ops.TENSORS:
-            key_items.append(f"tuple([{_tensor_key('t')} for t in {n}])")
-            body.append(f"l{j} = [AL(t) for t in {n}]")
-            tens.append(f"*l{j}")
-            mutated[n] = f"l{j}"
+            key_items.append(f"tuple([{_tensor_key('_zt')} for _zt in {n}])")
+            alias_lines.append(f"_zl{j} = [_zAL(_zt) for _zt in {n}]")
+            tens.append(f"*_zl{j}")
+            mutated[n] = f"_zl{j}"
         elif k == _ops.OPT_TENSORS:
-            key_items.append(f"tuple([None if t is None else {_tensor_key('t')} for t in {n}])")
-            tens.append(f"*[AL(t) for t in {n} if t is not None]")
+            key_items.append(f"tuple([None if _zt is None else {_tensor_key('_zt')} for _zt in {n}])")
+            tens.append(f"*[_zAL(_zt) for _zt in {n} if _zt is not None]")
         elif k == _ops.SCALAR:
             key_items.append(f"{n}.__class__")
             scal.append(f"*(() if {n} is None else ({n},))" if a.optional else n)
         elif k == _ops.SCALARS:
-            key_items.append(f"(None if {n} is None else tuple([s.__class__ for s in {n}]))")
+            key_items.append(f"(None if {n} is None else tuple([_zs.__class__ for _zs in {n}]))")
             scal.append(f"*(() if {n} is None else {n})")
         elif k == _ops.VALUE:
             key_items.append(f"(tuple({n}) if {n}.__class__ is list else {n})")
@@ -526,29 +533,27 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     key = "(" + "".join(f"{x}, " for x in key_items) + ")"
     call_tensors = "[" + ", ".join(tens) + "]"
     call_scalars = "[" + ", ".join(scal) + "]"
-    # Key first, cheap: a miss needs nothing else.
+    # 1. The key, cheap: a miss needs nothing else. 2. CPU views. 3. Run. 4. Outputs.
     lines = [f"def kernel({sig}):"]
-    key_lines = [b for b in body if b.startswith("k") and " = " in b]
-    alias_lines = [b for b in body if b not in key_lines]
     lines += ["    " + b for b in key_lines]
-    lines.append(f"    key = {key}")
-    lines.append("    exe = EG(key)")
-    lines.append("    if exe is None:")
-    lines.append(f"        return RT().slow_call(INFO, EXES, key, {values})")
+    lines.append(f"    _zkey = {key}")
+    lines.append("    _zexe = _zEG(_zkey)")
+    lines.append("    if _zexe is None:")
+    lines.append(f"        return _zRT().slow_call(_zINFO, _zEXES, _zkey, {values})")
     lines += ["    " + b for b in alias_lines]
     lines.append("    try:")
-    lines.append(f"        outs = exe({call_tensors}, {call_scalars})")
+    lines.append(f"        _zouts = _zexe({call_tensors}, {call_scalars})")
     lines.append("    except Exception:")
-    lines.append(f"        return RT().slow_call(INFO, {{}}, key, {values})")
-    lines.append("    N[0] += 1")
+    lines.append(f"        return _zRT().slow_call(_zINFO, {{}}, _zkey, {values})")
+    lines.append("    _zN[0] += 1")
     if info.kind == "mutating":
         for i, m in enumerate(info.mutable):
-            if m in mutated and mutated[m].startswith("c"):
-                lines.append(f"    {mutated[m]}.copy_(outs[{i}])")
+            if m in mutated and mutated[m].startswith("_zc"):
+                lines.append(f"    {mutated[m]}.copy_(_zouts[{i}])")
             elif m in mutated:
-                lines.append(f"    FC({mutated[m]}, outs[{i}])")
+                lines.append(f"    _zFC({mutated[m]}, _zouts[{i}])")
             else:  # out= argument: may need a resize
-                lines.append(f"    CB({m}, outs[{i}])")
+                lines.append(f"    _zCB({m}, _zouts[{i}])")
         rets = info.returns_args
         if info.n_returns == 0:
             lines.append("    return None")
@@ -557,18 +562,18 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         else:
             lines.append(f"    return ({', '.join(rets)},)")
     elif info.returns_list:
-        lines.append("    return [W(o) for o in outs]")
+        lines.append("    return [_zW(_zo) for _zo in _zouts]")
     elif info.n_returns == 1:
-        lines.append("    return W(outs[0])")
-    else:
-        lines.append("    return tuple([W(o) for o in outs])")
+        lines.append("    return _zW(_zouts[0])")
+    else:  # an output may be undefined (None), e.g. a backward op with a False output_mask entry
+        lines.append("    return tuple([None if _zo is None else _zW(_zo) for _zo in _zouts])")
     src = "\n".join(lines) + "\n"
     exes: dict[Any, Executable] = {}
     _EXES[info.qualname] = (info, exes)
     scope: dict[str, Any] = {
-        "DF": defaults, "AG": _alias_get, "AS": alias_slow, "AL": alias, "EG": exes.get, "EXES": exes,
-        "RT": runtime, "INFO": info, "W": wrap, "N": FAST, "FC": _foreach_copy,
-        "CB": _copy_back_out, "NUM": NUMBERS,
+        "_zDF": defaults, "_zAG": _alias_get, "_zAS": alias_slow, "_zAL": alias, "_zEG": exes.get,
+        "_zEXES": exes, "_zRT": runtime, "_zINFO": info, "_zW": wrap, "_zN": FAST, "_zFC": _foreach_copy,
+        "_zCB": _copy_back_out, "_zNUM": NUMBERS,
     }
     exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
     kernel: Callable[..., Any] = scope["kernel"]
