@@ -1,0 +1,78 @@
+"""`python -m neuron_runtime.conformance`: run PyTorch's OpInfo database on `neuron` against CPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m neuron_runtime.conformance",
+                                description="Run op_db's sample inputs on neuron and on CPU; write the coverage map.")
+    p.add_argument("--tier", choices=("reference", "aoti"), default="reference", help="compiler tier")
+    p.add_argument("--ops", action="append", metavar="PATTERN",
+                   help="glob(s) over op names (name or name.variant), comma-separated or repeated")
+    p.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)), help="worker processes")
+    p.add_argument("--samples", type=int, default=None,
+                   help="sample inputs per op (default 3 on reference, 1 on aoti)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per op before it counts as an error (default 120 reference, 900 aoti)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole sweep; ops not reached are listed as not run (partial)")
+    p.add_argument("--no-accel", dest="accel", action="store_false",
+                   help="skip the accelerator-only (half precision) dtype checks")
+    p.add_argument("--accel", dest="accel", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--forward-only", action="store_true",
+                   help="forward only: no backward, in-place or out= checks (default on aoti)")
+    p.add_argument("--cache-dir", help="local executable cache (default: a fresh temporary directory)")
+    p.add_argument("--out", help="JSON file to write (markdown goes beside it, .md)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    # Internal: one worker process.
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--names-file", help=argparse.SUPPRESS)
+    p.add_argument("--results", help=argparse.SUPPRESS)
+    p.add_argument("--list", action="store_true", help="list the selected op names and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    samples = args.samples or (1 if args.tier == "aoti" else 3)
+    timeout = args.timeout or (900.0 if args.tier == "aoti" else 120.0)
+    from . import _runner
+
+    if args.worker:
+        with open(args.names_file) as f:
+            names = [n for n in f.read().splitlines() if n]
+        return _runner.worker(names, args.results, samples, timeout, args.accel, args.forward_only)
+    from ._check import op_key
+
+    names = _runner.select([op_key(op) for op in _runner.load_op_db()], args.ops)
+    if args.list:
+        print("\n".join(names))
+        return 0
+    if not names:
+        print("no op matches --ops", file=sys.stderr)
+        return 2
+    if not args.out:
+        print("--out FILE is required", file=sys.stderr)
+        return 2
+    print(f"neuron conformance: {len(names)} ops, tier {args.tier}, {args.jobs} jobs, {samples} sample(s)",
+          file=sys.stderr)
+    forward_only = args.forward_only or args.tier == "aoti"
+    cov = _runner.sweep(names, args.tier, args.jobs, samples, timeout, args.accel and not forward_only,
+                        args.budget, sys.stderr, args.cache_dir, forward_only)
+    path, md = _runner.write(cov, args.out)
+    s = cov["summary"]
+    print(f"{s['ops']} ops: {s['compiled']} compiled, {s['fallback']} fallback, {s['mismatch']} mismatch, "
+          f"{s['error']} error, {s['skipped']} skipped; {s['matched_pct']} % match CPU "
+          f"({'partial, ' if s['partial'] else ''}{s['seconds']} s) -> {path}, {md}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(s, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""The sweep over op_db: shards in worker processes, the coverage map, its JSON and markdown.
+
+1. The parent lists op_db's names (matching `--ops`), deals them round-robin to `--jobs` workers.
+2. Each worker (`python -m neuron_runtime.conformance --worker ...`) imports torch once, checks its ops one
+   by one under a per-op time limit, and appends a JSON line per op to its results file (a `start` line
+   first, so an op that kills the process is known).
+3. A worker that dies is restarted on its remaining ops; the op it died on is an `error`.
+4. The parent merges the lines into `{"tier", "ops", "summary"}` and writes the markdown beside the JSON.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+STATUSES = ("compiled", "fallback", "mismatch", "error", "skipped")
+
+
+def load_op_db() -> list[Any]:
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return list(op_db)
+
+
+def select(names: list[str], patterns: list[str] | None) -> list[str]:
+    """Names matching any of the glob patterns (comma-separated or repeated); all if none."""
+    if not patterns:
+        return names
+    pats = [p for pat in patterns for p in pat.split(",") if p]
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in pats)]
+
+
+# -- worker ---------------------------------------------------------------------------------------------
+class OpTimeout(Exception):
+    pass
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise OpTimeout("the op's checks ran past the per-op time limit")
+
+
+def worker(names: list[str], results: str, samples: int, timeout_s: float, accel: bool,
+           forward_only: bool = False) -> int:
+    """Check `names` in this process, appending one JSON line per op to `results`."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import torch  # noqa: F401 - registers the neuron device
+
+    from ._check import _HostLog, check_accel_dtype, check_op, op_key
+    from ._skips import accel_dtypes
+
+    by_name = {op_key(op): op for op in load_op_db()}
+    log = _HostLog()
+    signal.signal(signal.SIGALRM, _alarm)
+    with open(results, "a", buffering=1) as f:
+        for name in names:
+            op = by_name[name]
+            f.write(json.dumps({"start": name}) + "\n")
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            try:
+                res = check_op(op, k=samples, deadline_s=timeout_s * 0.5, log=log, forward_only=forward_only)
+                entry = res.as_json()
+                if accel:
+                    extra = {}
+                    for d in accel_dtypes(op):
+                        r = check_accel_dtype(op, d, k=1, log=log)
+                        extra[str(d).removeprefix("torch.")] = {k: v for k, v in r.as_json().items()
+                                                               if k in ("status", "reason", "samples")}
+                    if extra:
+                        entry["accel_dtypes"] = extra
+            except OpTimeout as e:
+                entry = {"status": "error", "reason": f"timeout: {e} ({timeout_s:g} s)"}
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            f.write(json.dumps({"op": name, **entry}) + "\n")
+    return 0
+
+
+# -- parent ---------------------------------------------------------------------------------------------
+def _read(path: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
+    done: dict[str, dict[str, Any]] = {}
+    started: str | None = None
+    if not path.exists():
+        return done, None
+    for line in path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if "start" in d:
+            started = d["start"]
+        elif "op" in d:
+            name = d.pop("op")
+            done[name] = d
+            if started == name:
+                started = None
+    return done, started
+
+
+def sweep(names: list[str], tier: str, jobs: int, samples: int, timeout_s: float, accel: bool,
+          budget_s: float | None, progress: TextIO, cache_dir: str | None = None,
+          forward_only: bool = False) -> dict[str, Any]:
+    """Run the sweep over `names` with `jobs` worker processes; returns the coverage map."""
+    t0 = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="neuron-conformance-"))
+    env = dict(os.environ)
+    env["TORCH_NEURONX_COMPILER"] = tier
+    env["TORCH_NEURONX_FALLBACK"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"] = cache_dir or str(work / "cache")
+    env.pop("TORCH_NEURONX_CACHE_MODE", None)
+    shards = [names[i::jobs] for i in range(max(1, jobs))]
+    results: dict[str, dict[str, Any]] = {}
+    procs: dict[int, tuple[subprocess.Popen[bytes], list[str], Path]] = {}
+    restarts = 0
+
+    def launch(i: int, todo: list[str]) -> None:
+        nonlocal restarts
+        restarts += 1
+        path = work / f"shard{i}-{restarts}.jsonl"
+        lst = work / f"shard{i}-{restarts}.names"
+        lst.write_text("\n".join(todo))
+        cmd = [sys.executable, "-m", "neuron_runtime.conformance", "--worker", "--names-file", str(lst),
+               "--results", str(path), "--samples", str(samples), "--timeout", str(timeout_s)]
+        cmd.append("--accel" if accel else "--no-accel")
+        if forward_only:
+            cmd.append("--forward-only")
+        # stderr to a file, never a pipe: nobody reads a pipe until the worker exits, and a full one blocks it.
+        with open(path.with_suffix(".err"), "wb") as err:
+            procs[i] = (subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err), todo, path)
+
+    for i, shard in enumerate(shards):
+        if shard:
+            launch(i, shard)
+    seen: dict[Path, int] = {}
+    timed_out = False
+    stop: list[int] = []
+    # SIGTERM/SIGINT: stop the workers and write what is done, labelled partial.
+    old_handlers = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        _loop(procs, names, results, seen, progress, budget_s, t0, stop, launch)
+    finally:
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
+        for p, _, _ in procs.values():
+            p.kill()
+            p.wait()
+    missing = [n for n in names if n not in results]
+    cov = coverage_map(tier, results, missing, samples, time.monotonic() - t0)
+    cov["summary"]["forward_only"] = forward_only
+    return cov
+
+
+def _loop(procs: dict[int, Any], names: list[str], results: dict[str, dict[str, Any]], seen: dict[Path, int],
+          progress: TextIO, budget_s: float | None, t0: float, stop: list[int], launch: Any) -> None:
+    timed_out = False
+    while procs:
+        time.sleep(0.5)
+        for i, (p, todo, path) in list(procs.items()):
+            done, started = _read(path)
+            for n in list(done)[seen.get(path, 0):]:
+                results[n] = done[n]
+                r = done[n]
+                progress.write(f"[{len(results)}/{len(names)}] {n}: {r['status']}"
+                               f"{(' - ' + r['reason'][:120]) if r.get('reason') and r['status'] != 'compiled' else ''}\n")
+            seen[path] = len(done)
+            progress.flush()
+            if p.poll() is None:
+                if stop or (budget_s is not None and time.monotonic() - t0 > budget_s):
+                    p.send_signal(signal.SIGTERM)
+                    p.wait()
+                    timed_out = True
+                    del procs[i]
+                continue
+            err = path.with_suffix(".err").read_text(errors="replace")
+            del procs[i]
+            rest = [n for n in todo if n not in done]
+            if rest and not timed_out:
+                if started in rest:
+                    tail = err.strip().splitlines()[-1:] or [""]
+                    results[started] = {"status": "error",
+                                        "reason": f"the worker process died (exit {p.returncode}): {tail[0][:200]}"}
+                    progress.write(f"[{len(results)}/{len(names)}] {started}: error (worker died)\n")
+                    rest.remove(started)
+                elif p.returncode != 0:
+                    progress.write(f"worker {i} failed (exit {p.returncode}):\n{err[-2000:]}\n")
+                    raise SystemExit(2)
+                if rest:
+                    launch(i, rest)
+
+
+def coverage_map(tier: str, results: dict[str, dict[str, Any]], missing: list[str], samples: int,
+                 seconds: float) -> dict[str, Any]:
+    import torch
+
+    ops = {n: results[n] for n in sorted(results)}
+    counts = {s: sum(1 for r in ops.values() if r["status"] == s) for s in STATUSES}
+    total = len(ops)
+    matched = counts["compiled"] + counts["fallback"]
+    by_design = sum(1 for r in ops.values() if r["status"] == "fallback" and not r.get("fallback_ops"))
+    accel = [(n, d, r) for n, o in ops.items() for d, r in o.get("accel_dtypes", {}).items()]
+    summary: dict[str, Any] = {
+        "ops": total,
+        **counts,
+        "matched": matched,
+        "matched_pct": round(100.0 * matched / total, 2) if total else 0.0,
+        "matched_pct_of_run": round(100.0 * matched / (total - counts["skipped"]), 2)
+        if total - counts["skipped"] else 0.0,
+        "compiled_pct": round(100.0 * counts["compiled"] / total, 2) if total else 0.0,
+        "fallback_host_by_design": by_design,
+        "fallback_compiler_refused": counts["fallback"] - by_design,
+        "accel_dtype_checks": len(accel),
+        "accel_dtype_matched": sum(1 for _, _, r in accel if r["status"] in ("compiled", "fallback")),
+        "samples_per_op": samples,
+        "partial": bool(missing),
+        "not_run": len(missing),
+        "seconds": round(seconds, 1),
+        "torch": torch.__version__,
+    }
+    out: dict[str, Any] = {"tier": tier, "ops": ops, "summary": summary}
+    if missing:
+        out["not_run"] = missing
+    return out
+
+
+def markdown(cov: dict[str, Any]) -> str:
+    s = cov["summary"]
+    lines = [f"# op_db coverage on `neuron`, tier `{cov['tier']}`", ""]
+    if s["partial"]:
+        lines += [f"**Partial:** {s['not_run']} of {s['ops'] + s['not_run']} op_db entries did not run within "
+                  "the time budget; the numbers below count only the entries that ran.", ""]
+    lines += [
+        f"torch {s['torch']}, {s['samples_per_op']} float32 sample(s) per op ("
+        + ("forward only" if s.get("forward_only") else "forward; backward where the OpInfo supports autograd; "
+           "the in-place and out= variants on the first sample") + "), compared with CPU.", "",
+        "| ops | compiled | fallback | mismatch | error | skipped | match CPU | compiled |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {s['ops']} | {s['compiled']} | {s['fallback']} | {s['mismatch']} | {s['error']} | {s['skipped']} | "
+        f"{s['matched_pct']} % | {s['compiled_pct']} % |", "",
+        f"`fallback`: {s['fallback_host_by_design']} ops ran an aten op on the host by design (random ops, "
+        f"data-dependent shapes, ...), {s['fallback_compiler_refused']} because the compiler refused one.", "",
+    ]
+    if s["accel_dtype_checks"]:
+        lines += [f"Accelerator-only dtypes (half precision that CUDA accepts and the op's CPU entry does not "
+                  f"list): {s['accel_dtype_matched']} of {s['accel_dtype_checks']} checks match the float32 "
+                  "result cast back.", ""]
+    bad = [(n, r) for n, r in cov["ops"].items() if r["status"] in ("mismatch", "error")]
+    if bad:
+        lines += ["## Mismatches and errors", "", "| op | status | reason |", "|---|---|---|"]
+        lines += [f"| `{n}` | {r['status']} | {_cell(r.get('reason', ''))} |" for n, r in bad]
+        lines.append("")
+    accel = [(n, d, r) for n, o in cov["ops"].items() for d, r in o.get("accel_dtypes", {}).items()]
+    if accel:
+        lines += ["## Accelerator-only dtypes", "", "| op | dtype | status | reason |", "|---|---|---|---|"]
+        lines += [f"| `{n}` | {d} | {r['status']} | {_cell(r.get('reason', ''))} |" for n, d, r in accel]
+        lines.append("")
+    lines += ["## Every op", "", "| op | status | dtype | checks | reason |", "|---|---|---|---|---|"]
+    for n, r in cov["ops"].items():
+        lines.append(f"| `{n}` | {r['status']} | {r.get('dtype', '')} | {', '.join(r.get('checks', []))} | "
+                     f"{_cell(r.get('reason', ''))} |")
+    if cov.get("not_run"):
+        lines += ["", "## Not run (time budget)", "", ", ".join(f"`{n}`" for n in cov["not_run"])]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:300]
+
+
+def write(cov: dict[str, Any], out: str) -> tuple[Path, Path]:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cov, indent=1, sort_keys=False) + "\n")
+    md = path.with_suffix(".md")
+    md.write_text(markdown(cov))
+    return path, md

@@ -1,0 +1,62 @@
+"""The sweep's tables: what is skipped or checked differently, each entry with its reason (ops as data).
+
+Keys are coverage-map names (`OpInfo.name`, or `name.variant_test_name`)."""
+
+from __future__ import annotations
+
+import torch
+
+_SPARSE = "sparse layouts are outside the neuron device's scope (dense strided tensors only)"
+_CUDA_ONLY = "CUDA-only kernel: no CPU kernel in any dtype, so there is nothing to compare with"
+
+# Not run at all.
+SKIP: dict[str, str] = {
+    "to_sparse": _SPARSE,
+    "sparse.mm.reduce": _SPARSE,
+    "sparse.sampled_addmm": _SPARSE,
+    "jiterator_2inputs_2outputs": "jiterator compiles CUDA source at run time (CUDA and ROCm only)",
+    "jiterator_4inputs_with_extra_args": "jiterator compiles CUDA source at run time (CUDA and ROCm only)",
+    "jiterator_binary": "jiterator compiles CUDA source at run time (CUDA and ROCm only)",
+    "jiterator_binary_return_by_ref": "jiterator compiles CUDA source at run time (CUDA and ROCm only)",
+    "jiterator_unary": "jiterator compiles CUDA source at run time (CUDA and ROCm only)",
+    "torch.ops.aten._flash_attention_forward": _CUDA_ONLY,
+    "torch.ops.aten._efficient_attention_forward": _CUDA_ONLY,
+    "nn.functional.batch_norm.without_cudnn": "a cuDNN on/off variant of nn.functional.batch_norm (which runs); "
+                                              "its OpInfo lists no CPU dtype",
+}
+
+# Arguments other than the first that the op requires on CPU (as on CUDA): they stay there.
+CPU_ARGS: dict[str, str] = {
+    "tensor_split": "tensor_indices_or_sections must be a CPU tensor on every device",
+}
+
+# Outputs compared by dtype and shape only: their values are not defined (uninitialized memory), so CPU
+# itself gives different values run to run. (OpInfos flagged `has_nondeterministic_output` are added at
+# run time.)
+METADATA_ONLY: dict[str, str] = {
+    "empty": "uninitialized memory",
+    "empty_like": "uninitialized memory",
+    "new_empty": "uninitialized memory",
+    "new_empty_strided": "uninitialized memory",
+    "empty_strided": "uninitialized memory",
+    "empty_permuted": "uninitialized memory",
+    "nn.functional.dropout": "random mask drawn in an order that depends on the kernel",
+}
+
+# Backward not checked (forward still is).
+NO_BACKWARD: dict[str, str] = {}
+
+# In-place / out= variants not checked.
+NO_INPLACE: dict[str, str] = {}
+NO_OUT: dict[str, str] = {}
+
+# Accelerator-only dtypes: accepted by CUDA kernels, possibly not by the host CPU kernel. Filled from the
+# OpInfos themselves (`dtypesIfCUDA` minus the CPU dtypes) by `accel_dtypes()`.
+ACCEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def accel_dtypes(op: object) -> list[torch.dtype]:
+    """The half-precision dtypes CUDA accepts for `op` and its CPU entry does not list."""
+    cpu = set(op.supported_dtypes("cpu"))  # type: ignore[attr-defined]
+    cuda = set(op.supported_dtypes("cuda"))  # type: ignore[attr-defined]
+    return [d for d in ACCEL_DTYPES if d in cuda and d not in cpu]
