@@ -64,6 +64,13 @@ HOST = {
     "aten::_fused_sdp_choice": "returns a Python int",
 }
 
+# In-place ops whose functional variant has another overload name than the rule in `_find_functional` finds.
+FUNCTIONAL = {
+    "aten::pow_.Scalar": "aten::pow.Tensor_Scalar",
+    "aten::pow_.Tensor": "aten::pow.Tensor_Tensor",
+    "aten::floor_divide_.Tensor": "aten::floor_divide",
+}
+
 
 @dataclasses.dataclass
 class Arg:
@@ -132,7 +139,11 @@ def _find_functional(qualname: str, schema: Any, mutable: list[Any]) -> Any | No
     base, _, overload = qualname[len("aten::"):].partition(".")
     out_style = all(a.kwarg_only for a in mutable)
     candidates: list[tuple[str, str]] = []
-    if out_style:
+    if qualname in FUNCTIONAL:
+        fbase, _, fov = FUNCTIONAL[qualname][len("aten::"):].partition(".")
+        candidates = [(fbase, fov or "default")]
+        wanted = [(a.name, str(a.type)) for a in schema.arguments]
+    elif out_style:
         candidates = [(base, o) for o in getattr(torch.ops.aten, base).overloads()]
         wanted = _signature_of(schema, skip_mutable=True)
     else:
