@@ -369,7 +369,7 @@ class Runtime:
                 kwargs[a.name] = h
             else:
                 args.append(h)
-        out = info.op(*args, **kwargs)
+        out = _op_for_numbers(info, args, kwargs)(*args, **kwargs)
         with self.lock:
             self.counts["fallbacks" if fallback else "host_ops"] += 1
         for target, h in outs:
@@ -377,6 +377,24 @@ class Runtime:
         if outs:
             host_values = tuple(next((h for t, h in outs if t is v), hv) for v, hv in zip(values, host_values))
         return rewrap(out, values, host_values, to_cpu_result=_wants_cpu(info, values))
+
+
+def _op_for_numbers(info: _ops.OpInfo, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """The overload to call on the host. A Python number in a Tensor slot is a wrapped number (C++ passed
+    `wrapped_scalar_tensor(s)`, e.g. `remainder(t, n)` inside take_along_dim); calling the op object with it
+    is refused for all but add/sub/mul/div, so call the overload that takes a Scalar there instead (its
+    type promotion is the wrapped number's)."""
+    numbers = {a.name for a, v in zip(info.args, [*args, *kwargs.values()])
+               if a.kind == _ops.TENSOR and type(v) in NUMBERS}
+    if not numbers:
+        return info.op
+    want = [(a.name, "Scalar" if a.name in numbers else str(a.type)) for a in info.op._schema.arguments]
+    packet = getattr(torch.ops.aten, info.op._schema.name.removeprefix("aten::"))
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        if [(a.name, str(a.type).replace("number", "Scalar")) for a in cand._schema.arguments] == want:
+            return cand
+    return info.op
 
 
 def _wants_cpu(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
