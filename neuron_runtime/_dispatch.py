@@ -317,12 +317,8 @@ class Runtime:
             return result
         with self.lock:
             self.counts["executions"] += 1
-        outs = list(outs)
-        result = self.finish(info, values, host_values, outs)
-        if not any(o is None for o in outs):
-            # An undefined output (native_layer_norm_backward with a False output_mask) stays on this path:
-            # the hit path wraps every output.
-            exes[key] = exe
+        result = self.finish(info, values, host_values, list(outs))
+        exes[key] = exe  # undefined outputs (None) stay None on the hit path too
         return result
 
     def finish(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
