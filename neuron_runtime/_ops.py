@@ -45,6 +45,32 @@ SPECIAL = {
     "aten::set_": "rebinds storage (metadata only)",
     "aten::convolution_overrideable": "PrivateUse1's convolution entry point; computed as aten::convolution",
     "aten::convolution_backward_overrideable": "computed as aten::convolution_backward",
+    "aten::_efficientzerotensor": "CPU's ZeroTensor has no memory (null data pointer); neuron gets real zeros "
+                                  "(_decomp.py)",
+    "aten::mode.values": "no CPU kernel; its composite kernel refuses devices other than CPU/CUDA/XPU, so the "
+                         "generic out= kernel serves it (_decomp.py)",
+}
+
+# Accelerator-only dtypes: CUDA kernels accept float16/bfloat16, the host CPU kernel does not. On neuron these
+# compute in float32 and cast the outputs back (`_decomp._upcast`), so code that takes a device-only half path
+# still gets the right answer. Found by the op_db sweep (`python -m neuron_runtime.conformance`).
+UPCAST = {
+    "aten::avg_pool3d": "CPU kernel has no float16/bfloat16 (avg_pool3d_out_frame)",
+    "aten::avg_pool3d_backward": "CPU kernel has no float16/bfloat16",
+    "aten::_upsample_bilinear2d_aa": "CPU kernel has no float16/bfloat16 (compute_index_ranges_weights)",
+    "aten::_upsample_bilinear2d_aa_backward": "CPU kernel has no float16/bfloat16",
+    "aten::multi_margin_loss": "CPU kernel has no float16/bfloat16 (multi_margin_loss_cpu_kernel)",
+    "aten::multi_margin_loss_backward": "CPU kernel has no float16/bfloat16",
+    "aten::multilabel_margin_loss_forward": "CPU kernel has no float16/bfloat16",
+    "aten::multilabel_margin_loss_backward": "CPU kernel has no float16/bfloat16",
+    "aten::rrelu_with_noise": "CPU kernel has no float16 (rrelu_with_noise_out_cpu)",
+}
+
+# In-place ops whose functional variant has another overload name than the rule in `_find_functional` finds.
+FUNCTIONAL = {
+    "aten::pow_.Scalar": "aten::pow.Tensor_Scalar",
+    "aten::pow_.Tensor": "aten::pow.Tensor_Tensor",
+    "aten::floor_divide_.Tensor": "aten::floor_divide",
 }
 
 # Ops run on the host on purpose (not counted as fallbacks), with the reason.
@@ -62,13 +88,6 @@ HOST = {
     "aten::_assert_async": "host-side check",
     "aten::_assert_async.msg": "host-side check",
     "aten::_fused_sdp_choice": "returns a Python int",
-}
-
-# In-place ops whose functional variant has another overload name than the rule in `_find_functional` finds.
-FUNCTIONAL = {
-    "aten::pow_.Scalar": "aten::pow.Tensor_Scalar",
-    "aten::pow_.Tensor": "aten::pow.Tensor_Tensor",
-    "aten::floor_divide_.Tensor": "aten::floor_divide",
 }
 
 
@@ -185,7 +204,9 @@ def _returns(schema: Any) -> tuple[int, bool, bool]:
     return len(rets), rets == ["List[Tensor]"], all_tensors
 
 
-def classify(qualname: str) -> OpInfo:
+def classify(qualname: str, special: bool = True) -> OpInfo:
+    """How `qualname` runs on neuron. `special=False`: as if it had no kernel of its own (for the kernels
+    in `_decomp.py` that wrap the generic one)."""
     op = _resolve(qualname)
     schema = op._schema
     args = [
@@ -197,7 +218,7 @@ def classify(qualname: str) -> OpInfo:
     n_ret, ret_list, all_tensors = _returns(schema)
     info = OpInfo(qualname, op, args, "compute", n_returns=n_ret, returns_list=ret_list)
     mutable = [a for a in schema.arguments if a.alias_info and a.alias_info.is_write]
-    if qualname in SPECIAL:
+    if special and qualname in SPECIAL:
         info.kind, info.reason = "special", SPECIAL[qualname]
     elif any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
         info.kind = "view"

@@ -140,4 +140,13 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "aten::convolution_overrideable": convolution_overrideable,
     "aten::convolution_backward_overrideable": convolution_backward_overrideable,
 }
+
+
+def _add_decompositions() -> None:
+    from ._decomp import KERNELS as DECOMP
+
+    KERNELS.update(DECOMP)
+
+
+_add_decompositions()
 _ = _dispatch  # re-exported names above come from it

@@ -1,0 +1,100 @@
+"""Kernels that compute an op from other ops (registered through `_special.KERNELS`).
+
+  * `_efficientzerotensor`: CPU's result is a ZeroTensor with no memory behind it (a null data pointer);
+    relabelled to neuron it loses the ZeroTensor key and the first read dereferences null. Here: real zeros.
+  * out= ops with no CPU kernel whose CompositeExplicitAutograd kernel refuses any device but CPU/CUDA/XPU
+    (`mode.values`): the generic out= kernel (functional executable, then copy into `out`).
+  * Accelerator-only dtypes (`_ops.UPCAST`): CUDA kernels accept float16/bfloat16 where the host CPU kernel
+    does not. The inputs are cast to float32, the op runs as usual (compiled), and the outputs are cast back,
+    as a device without a native half kernel would compute it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _ops
+from ._dispatch import wrap
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def efficientzerotensor(size: list[int], *, dtype: Any = None, layout: Any = None, device: Any = None,
+                        pin_memory: Any = None) -> torch.Tensor:
+    from ._special import check_device
+
+    check_device(device)
+    return wrap(torch.zeros(size, dtype=dtype, layout=layout))
+
+
+def _generic(qualname: str) -> Callable[..., Any]:
+    """The kernel `_kernels` would build for `qualname` from its kind, ignoring the special tables."""
+    from . import _dispatch, _kernels
+
+    info = _ops.classify(qualname, special=False)
+    if info.kind == "view":
+        return _kernels._view_kernel(info)
+    if info.kind == "host":
+        return _kernels._host_kernel(info)
+    return _dispatch._codegen(info)
+
+
+def _lazy_generic(qualname: str) -> Callable[..., Any]:
+    cell: list[Callable[..., Any]] = []
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if not cell:
+            cell.append(_generic(qualname))
+        return cell[0](*args, **kwargs)
+
+    return kernel
+
+
+def _upcast(qualname: str) -> Callable[..., Any]:
+    """float16/bfloat16 tensors in, float32 computation, the low dtype out (mutated args written back)."""
+    info = _ops.classify(qualname)
+    mutable = {i for i, a in enumerate(info.args) if a.mutable}
+    names = [a.name for a in info.args]
+    cell: list[Callable[..., Any]] = []
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if not cell:
+            cell.append(_generic(qualname))
+        inner = cell[0]
+        low = next((t.dtype for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)
+                    and t.dtype in _LOW), None)
+        if low is None:
+            return inner(*args, **kwargs)
+        # 1. Cast the low-precision tensors up (through the runtime: a compiled `_to_copy`).
+        up_args = [a.float() if isinstance(a, torch.Tensor) and a.dtype == low else a for a in args]
+        up_kwargs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == low else v)
+                     for k, v in kwargs.items()}
+        # 2. Run the op in float32.
+        out = inner(*up_args, **up_kwargs)
+        # 3. Write mutated arguments back, cast the float32 outputs down.
+        for i in mutable:
+            if i < len(args) and up_args[i] is not args[i]:
+                args[i].copy_(up_args[i])
+            elif names[i] in kwargs and up_kwargs[names[i]] is not kwargs[names[i]]:
+                kwargs[names[i]].copy_(up_kwargs[names[i]])
+
+        def down(o: Any) -> Any:
+            if isinstance(o, torch.Tensor) and o.dtype == torch.float32:
+                return o.to(low)
+            return o
+
+        if isinstance(out, (tuple, list)):
+            return type(out)(down(o) for o in out)
+        return down(out)
+
+    return kernel
+
+
+KERNELS: dict[str, Callable[..., Any]] = {
+    "aten::_efficientzerotensor": efficientzerotensor,
+    "aten::mode.values": _lazy_generic("aten::mode.values"),
+    **{q: _upcast(q) for q in _ops.UPCAST},
+}

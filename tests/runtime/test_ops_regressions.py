@@ -1,0 +1,119 @@
+"""Regressions found by the op_db sweep (`python -m neuron_runtime.conformance`): one focused test per fix.
+
+Each test runs the op twice where it matters: the first call takes the slow path, the second the hit path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from rt_helpers import assert_same
+
+import neuron_runtime
+from neuron_runtime import _ops
+
+DEV = "neuron"
+
+
+def test_efficientzerotensor_is_real_zeros() -> None:
+    # sgn's backward on a real input is `_efficientzerotensor`: CPU's ZeroTensor has a null data pointer,
+    # which crashed the first read once relabelled to neuron.
+    x = torch.randn(4, 5, device=DEV, requires_grad=True)
+    for _ in range(2):
+        (g,) = torch.autograd.grad(torch.sgn(x), x, torch.ones(4, 5, device=DEV))
+        assert g.device.type == DEV and g.data_ptr() != 0
+        assert torch.equal(g.cpu(), torch.zeros(4, 5))
+    z = torch.ops.aten._efficientzerotensor([2, 3], dtype=torch.float32, device=DEV)
+    assert z.device.type == DEV and torch.equal(z.cpu(), torch.zeros(2, 3))
+
+
+def test_undefined_outputs_stay_none() -> None:
+    # native_layer_norm_backward with output_mask [True, False, False] returns undefined tensors (None).
+    x = torch.randn(3, 4)
+    w, b = torch.randn(4), torch.randn(4)
+    out, mean, rstd = torch.ops.aten.native_layer_norm(x, [4], w, b, 1e-5)
+    g = torch.randn(3, 4)
+    want = torch.ops.aten.native_layer_norm_backward(g, x, [4], mean, rstd, w, b, [True, False, False])
+    d = [t.to(DEV) for t in (g, x, mean, rstd, w, b)]
+    for _ in range(2):
+        got = torch.ops.aten.native_layer_norm_backward(d[0], d[1], [4], d[2], d[3], d[4], d[5],
+                                                        [True, False, False])
+        assert got[1] is None and got[2] is None
+        assert_same(want[0], got[0])
+
+
+def test_argument_named_like_a_kernel_global() -> None:
+    # native_group_norm has an argument `N`, which shadowed the generated kernel's counter on the hit path.
+    x, w, b = torch.randn(2, 6, 3), torch.randn(6), torch.randn(6)
+    want = F.group_norm(x, 3, w, b)
+    for _ in range(3):
+        assert_same(want, F.group_norm(x.to(DEV), 3, w.to(DEV), b.to(DEV)))
+
+
+def test_wrapped_number_in_a_tensor_slot() -> None:
+    # take_along_dim calls remainder(Tensor, wrapped number) from C++; the host call must take the Scalar
+    # overload (calling remainder.Tensor with a Python int is refused).
+    x = torch.arange(12.0).reshape(3, 4)
+    i = torch.tensor([[0, -1], [1, 2], [3, -2]])
+    want = torch.take_along_dim(x, i, dim=1)
+    for _ in range(2):
+        assert_same(want, torch.take_along_dim(x.to(DEV), i.to(DEV), dim=1))
+
+
+def test_mode_out() -> None:
+    # mode.values has no CPU kernel, and its composite kernel refuses every device but CPU/CUDA/XPU.
+    x = torch.randint(0, 3, (4, 5)).float()
+    want = torch.mode(x, 1)
+    for _ in range(2):
+        v, i = torch.empty(0, device=DEV), torch.empty(0, dtype=torch.long, device=DEV)
+        got = torch.mode(x.to(DEV), 1, out=(v, i))
+        assert got[0] is v and got[1] is i
+        assert_same(want.values, v)
+        assert_same(want.indices, i)
+
+
+def test_inplace_ops_with_renamed_functional_variant() -> None:
+    for q in _ops.FUNCTIONAL:
+        assert _ops.classify(q).kind == "mutating", q
+    x = torch.rand(5) + 0.5
+    d = x.to(DEV)
+    before = neuron_runtime.stats()["host_ops"]
+    for _ in range(2):
+        d.pow_(2.0)
+        d.floor_divide_(torch.full((5,), 0.5, device=DEV))
+    x.pow_(2.0).floor_divide_(torch.full((5,), 0.5))
+    x.pow_(2.0).floor_divide_(torch.full((5,), 0.5))
+    assert_same(x, d)
+    assert neuron_runtime.stats()["host_ops"] == before
+
+
+def _half_vs_float(fn, *inputs: torch.Tensor, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """`fn` on neuron with `dtype` inputs equals CPU float32 cast to `dtype` (CPU itself refuses `dtype`)."""
+    torch.manual_seed(0)
+    want = fn(*[t.float() if t.is_floating_point() else t for t in inputs])
+    for _ in range(2):
+        torch.manual_seed(0)
+        got = fn(*[t.to(dtype).to(DEV) if t.is_floating_point() else t.to(DEV) for t in inputs])
+        assert got.dtype == dtype and got.device.type == DEV
+        torch.testing.assert_close(got.cpu().float(), want.to(dtype).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_accelerator_only_half_dtypes() -> None:
+    x5 = torch.randn(1, 2, 4, 4, 4)
+    x4 = torch.randn(1, 2, 6, 6)
+    scores, target = torch.randn(4, 5), torch.tensor([0, 3, 1, 4])
+    ml_target = torch.tensor([[3, 0, -1, 1, 2], [1, -1, 0, 0, 0], [0, 2, -1, 0, 0], [4, -1, 0, 0, 0]])
+    for dtype in (torch.float16, torch.bfloat16):
+        _half_vs_float(lambda x: F.avg_pool3d(x, 2), x5, dtype=dtype)
+        _half_vs_float(lambda x: F.interpolate(x, size=(3, 3), mode="bilinear", antialias=True), x4, dtype=dtype)
+        _half_vs_float(lambda s, t: F.multi_margin_loss(s, t), scores, target, dtype=dtype)
+        _half_vs_float(lambda s, t: F.multilabel_margin_loss(s, t), scores, ml_target, dtype=dtype)
+    _half_vs_float(lambda x: F.rrelu(x, training=True), torch.randn(20), dtype=torch.float16)
+
+
+def test_accelerator_only_half_backward() -> None:
+    x = torch.randn(1, 2, 4, 4, 4)
+    want = torch.autograd.grad(F.avg_pool3d(x.requires_grad_(), 2).sum(), x)[0]
+    d = x.detach().half().to(DEV).requires_grad_()
+    got = torch.autograd.grad(F.avg_pool3d(d, 2).sum(), d)[0]
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.cpu().float(), want, rtol=1e-2, atol=1e-2)
