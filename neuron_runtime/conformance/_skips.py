@@ -50,6 +50,16 @@ NO_BACKWARD: dict[str, str] = {}
 NO_INPLACE: dict[str, str] = {}
 NO_OUT: dict[str, str] = {}
 
+_FFT_HALF = ("ATen's fft composite (promote_type_fft) accepts float16 only when the device is CUDA or meta and "
+             "raises 'Unsupported dtype Half' before any neuron kernel runs; fixing it needs a neuron kernel for "
+             "the CompositeImplicit fft_* ops")
+# Accelerator-only dtypes the runtime cannot serve yet, and why.
+ACCEL_UNSUPPORTED: dict[str, str] = {
+    **{f"fft.{n}": _FFT_HALF for n in ("fft", "fft2", "fftn", "hfft", "hfft2", "hfftn", "rfft", "rfft2", "rfftn",
+                                        "ifft", "ifft2", "ifftn", "ihfft", "ihfft2", "ihfftn", "irfft", "irfft2",
+                                        "irfftn")},
+}
+
 # Accelerator-only dtypes: accepted by CUDA kernels, possibly not by the host CPU kernel. Filled from the
 # OpInfos themselves (`dtypesIfCUDA` minus the CPU dtypes) by `accel_dtypes()`.
 ACCEL_DTYPES = (torch.float16, torch.bfloat16)

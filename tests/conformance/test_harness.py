@@ -1,0 +1,83 @@
+"""The sweep's checker must be able to fail: a wrong value, a result left on the host, an error raised only
+on neuron, a fallback, and an in-place variant that does not mutate are each reported, not matched."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from neuron_runtime.conformance import _runner
+from neuron_runtime.conformance._check import check_op, op_key
+from neuron_runtime.conformance._runner import coverage_map, markdown, select
+
+
+@pytest.fixture(scope="module")
+def add_op() -> Any:
+    return next(op for op in _runner.load_op_db() if op_key(op) == "add")
+
+
+def _patched(op: Any, fn: Callable[..., Any], inplace: Callable[..., Any] | None = None) -> Any:
+    o = copy.copy(op)
+    o.op = fn
+    o.inplace_variant = inplace
+    o.supports_out = False
+    return o
+
+
+def test_real_op_matches(add_op: Any) -> None:
+    r = check_op(add_op, k=2)
+    assert r.status == "compiled", r
+    assert {"forward", "backward", "inplace", "out"} <= set(r.checks)
+    assert r.executions > 0
+
+
+def test_wrong_value_is_a_mismatch(add_op: Any) -> None:
+    def wrong(x: torch.Tensor, y: Any, **kw: Any) -> torch.Tensor:
+        out = torch.add(x, y, **kw)
+        return out + 1e-2 if out.device.type == "neuron" else out
+
+    r = check_op(_patched(add_op, wrong), k=1)
+    assert r.status == "mismatch" and "forward" in r.reason
+
+
+def test_result_on_the_host_is_a_mismatch(add_op: Any) -> None:
+    r = check_op(_patched(add_op, lambda x, y, **kw: torch.add(x, y, **kw).cpu()), k=1)
+    assert r.status == "mismatch" and "on cpu" in r.reason
+
+
+def test_error_only_on_neuron_is_an_error(add_op: Any) -> None:
+    def fails(x: torch.Tensor, y: Any, **kw: Any) -> torch.Tensor:
+        if x.device.type == "neuron":
+            raise RuntimeError("boom")
+        return torch.add(x, y, **kw)
+
+    r = check_op(_patched(add_op, fails), k=1)
+    assert r.status == "error" and "boom" in r.reason
+
+
+def test_host_run_is_a_fallback(add_op: Any) -> None:
+    r = check_op(_patched(add_op, lambda x, y, **kw: torch.add(x, y, **kw) + torch.nonzero(x).sum() * 0), k=1)
+    assert r.status == "fallback" and "aten::nonzero" in r.reason
+
+
+def test_inplace_that_does_not_mutate_is_a_mismatch(add_op: Any) -> None:
+    def lazy(x: torch.Tensor, y: Any, **kw: Any) -> torch.Tensor:
+        return x.add_(y, **kw) if x.device.type == "cpu" else x
+
+    r = check_op(_patched(add_op, torch.add, inplace=lazy), k=1)
+    assert r.status == "mismatch" and "in-place" in r.reason
+
+
+def test_select_and_markdown() -> None:
+    assert select(["add", "addmm", "mul", "fft.fft"], ["add*", "fft.*"]) == ["add", "addmm", "fft.fft"]
+    assert select(["a", "b"], None) == ["a", "b"]
+    cov = coverage_map("reference", {"add": {"status": "compiled"}, "x": {"status": "mismatch", "reason": "a|b"}},
+                       ["y"], 1, 1.0)
+    s = cov["summary"]
+    assert (s["ops"], s["compiled"], s["mismatch"], s["partial"], s["matched_pct"]) == (2, 1, 1, True, 50.0)
+    md = markdown(cov)
+    assert "**Partial:**" in md and "a\\|b" in md and "`y`" in md
