@@ -257,6 +257,30 @@ class SharedPathStore(FleetStore):
 
         return self._guard("quarantine", False, move)
 
+    def sweep(self, max_age_s: float = 3600.0) -> int:
+        """Remove debris older than `max_age_s`: temp files of crashed writers, leftover lease temp
+        files, and quarantined entries (for `neuron-cache prune`). Returns how many files went."""
+        base = os.path.join(self.root, LAYOUT_VERSION)
+        cutoff = time.time() - max_age_s
+        removed = [0]
+
+        def walk() -> None:
+            for dirpath, _, filenames in os.walk(base):
+                in_quarantine = os.path.basename(dirpath) == "quarantine"
+                for name in filenames:
+                    if not (in_quarantine or name.startswith(".tmp-") or ".tmp-" in name or ".stale-" in name):
+                        continue
+                    path = os.path.join(dirpath, name)
+                    try:
+                        if os.stat(path).st_mtime < cutoff:
+                            os.unlink(path)
+                            removed[0] += 1
+                    except FileNotFoundError:
+                        pass
+
+        self._guard("sweep", None, walk)
+        return removed[0]
+
     def entries(self) -> Iterator[EntryInfo]:
         base = os.path.join(self.root, LAYOUT_VERSION)
         found: list[EntryInfo] = []

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-# neuron_runtime/__init__.py registers the torch device on import and must be entered through torch's
-# backend entry point; importing torch first keeps that import order-independent. The cache layer
-# itself never imports torch (test_layer_is_torch_free checks it in a fresh process).
+# neuron_runtime/__init__.py registers the torch device on import; importing torch first gives these
+# tests the import order users have. The cache layer itself never imports torch
+# (test_the_cache_layer_is_torch_free checks it in a fresh process).
 import torch  # noqa: F401
 
 

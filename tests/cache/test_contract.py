@@ -239,6 +239,20 @@ class TestSharedPathStore(BackendContract):
         assert backend.put(k, b"whole") and backend.get(k) == b"whole"
 
 
+    def test_sweep_removes_old_debris_only(self, backend: SharedPathStore, tmp_path: Path) -> None:
+        import os
+
+        k = key_of("sweep")
+        backend.put(k, b"entry")
+        d = tmp_path / "fleet" / "v1" / k[:2] / k[2:4]
+        old_tmp, new_tmp = d / f".tmp-{k}.neff-1", d / f".tmp-{k}.neff-2"
+        old_tmp.write_bytes(b"torn")
+        new_tmp.write_bytes(b"being written")
+        os.utime(old_tmp, (1, 1))
+        assert backend.sweep(max_age_s=3600) == 1
+        assert not old_tmp.exists() and new_tmp.exists() and backend.get(k) == b"entry"
+
+
 class TestS3Store(BackendContract):
     @pytest.fixture
     def backend(self, s3_url: str) -> S3Store:
