@@ -88,6 +88,14 @@ HOST = {
     "aten::_assert_async": "host-side check",
     "aten::_assert_async.msg": "host-side check",
     "aten::_fused_sdp_choice": "returns a Python int",
+    # Factories with out=: the functional form takes dtype/layout/device where these take `out`, so there is
+    # no functional executable to copy from; they fill the out tensor on the host (arange/linspace/logspace/
+    # eye call these for every device: the functional factory is `empty` + `*.out`).
+    **{f"aten::{op}": "factory with out=: fills the out tensor on the host (no functional variant)"
+       for op in ("arange.out", "arange.start_out", "linspace.out", "linspace.Tensor_Tensor_out",
+                  "linspace.Tensor_Scalar_out", "linspace.Scalar_Tensor_out", "logspace.out",
+                  "logspace.Tensor_Tensor_out", "logspace.Tensor_Scalar_out", "logspace.Scalar_Tensor_out",
+                  "eye.out", "eye.m_out")},
 }
 
 
