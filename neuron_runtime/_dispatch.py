@@ -160,6 +160,9 @@ class Runtime:
             from ._record import Recorder
 
             self.recorder = Recorder(cfg.record_file)
+        from . import fusion
+
+        self.fusion = fusion.install(self)  # None unless TORCH_NEURONX_ENABLE_CONCATENATION=1
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -171,6 +174,8 @@ class Runtime:
         s["hits"] = hits
         s["fallback_ops"] = sorted(self.fallback_ops)
         s["compiler"] = self.compiler.name
+        if self.fusion is not None:
+            s["fusion"] = {k: dict(v) if isinstance(v, dict) else v for k, v in self.fusion.stats.items()}
         return s
 
     @property
@@ -193,10 +198,14 @@ class Runtime:
     def executable(self, info: _ops.OpInfo, values: tuple[Any, ...]) -> tuple[Executable, dict[str, Any]]:
         """Find or make the executable for one call of functional op `info` (slow path only)."""
         sig = _signature.build(info, values)
+        return self.executable_for(sig)[0], sig
+
+    def executable_for(self, sig: dict[str, Any]) -> tuple[Executable, str]:
+        """Find or make the executable of a signature (an op's, or a fused group's graph)."""
         digest = _signature.cache_key(sig, self.fingerprint)
         exe = self.by_digest.get(digest)
         if exe is not None:
-            return exe, sig
+            return exe, digest
         with self.lock:
             exe = self.by_digest.get(digest)
             if exe is None:
@@ -206,7 +215,7 @@ class Runtime:
                 self.by_digest[digest] = exe
                 if self.recorder is not None:
                     self.recorder(sig, digest)
-        return exe, sig
+        return exe, digest
 
     def _evict(self) -> None:
         """Bound the loaded executables (TORCH_NEURONX_MEMORY_CACHE_ENTRIES): drop the older half.
@@ -287,6 +296,8 @@ class Runtime:
                   values: tuple[Any, ...]) -> Any:
         """Everything but a hit: check devices, find or make the executable, run it, check the result
         against the op's contract once, then let the hit path serve this key."""
+        if self.fusion is not None:
+            self.fusion.flush_for(info)  # ops run in stream order: queued ones first
         f = info.functional or info
         fvalues = values if f is info else tuple(v for a, v in zip(info.args, values)
                                                  if not (a.mutable and a.kwarg_only))
@@ -317,6 +328,8 @@ class Runtime:
             return result
         with self.lock:
             self.counts["executions"] += 1
+        if self.fusion is not None and info.kind == "compute" and outs and outs[0] is not None:
+            self.fusion.learn(info, key, sig, outs[0])
         result = self.finish(info, values, host_values, list(outs))
         exes[key] = exe  # undefined outputs (None) stay None on the hit path too
         return result
@@ -494,6 +507,10 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     arguments (`N`, `key`, `out`, ...) never shadow them."""
     f = info.functional or info
     fnames = {a.name for a in f.args}
+    fuse = runtime().fusion is not None  # decided when the kernel is built: flag off, nothing changes
+    from . import fusion as _fusion
+
+    can_queue = fuse and _fusion.fusible(info)
     params: list[str] = []
     kwonly: list[str] = []
     defaults: list[Any] = []
@@ -553,12 +570,20 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     call_scalars = "[" + ", ".join(scal) + "]"
     # 1. The key, cheap: a miss needs nothing else. 2. CPU views. 3. Run. 4. Outputs.
     lines = [f"def kernel({sig}):"]
+    if fuse and not can_queue:
+        lines.append(f"    if _zPENDING: _zFLUSH({('op:' + info.qualname)!r})")
     lines += ["    " + b for b in key_lines]
     lines.append(f"    _zkey = {key}")
     lines.append("    _zexe = _zEG(_zkey)")
     lines.append("    if _zexe is None:")
     lines.append(f"        return _zRT().slow_call(_zINFO, _zEXES, _zkey, {values})")
     lines += ["    " + b for b in alias_lines]
+    if can_queue:
+        lines.append(f"    _zT, _zS = {call_tensors}, {call_scalars}")
+        lines.append("    _zr = _zSUBMIT(_zINFO, _zkey, _zexe, _zT, _zS)")
+        lines.append("    if _zr is not None:")
+        lines.append("        return _zr")
+        call_tensors, call_scalars = "_zT", "_zS"
     lines.append("    try:")
     lines.append(f"        _zouts = _zexe({call_tensors}, {call_scalars})")
     lines.append("    except Exception:")
@@ -592,6 +617,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         "_zDF": defaults, "_zAG": _alias_get, "_zAS": alias_slow, "_zAL": alias, "_zEG": exes.get,
         "_zEXES": exes, "_zRT": runtime, "_zINFO": info, "_zW": wrap, "_zN": FAST, "_zFC": _foreach_copy,
         "_zCB": _copy_back_out, "_zNUM": NUMBERS,
+        "_zPENDING": _fusion.PENDING, "_zFLUSH": _fusion.flush, "_zSUBMIT": _fusion.submit,
     }
     exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
     kernel: Callable[..., Any] = scope["kernel"]

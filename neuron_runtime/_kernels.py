@@ -57,8 +57,24 @@ def kernel_for(qualname: str) -> Callable[..., Any]:
                 k = _host_kernel(info)
             else:
                 k = _dispatch._codegen(info)
+        if _dispatch.runtime().fusion is not None and not hasattr(k, "__neuron_source__"):
+            k = _flushing(k, qualname)
         _kernels[qualname] = k
     return k
+
+
+def _flushing(kernel: Callable[..., Any], qualname: str) -> Callable[..., Any]:
+    """With fusion on: run queued ops before an op that may read them (views, host ops, copies)."""
+    from . import fusion
+
+    pending, flush, reason = fusion.PENDING, fusion.flush, f"op:{qualname}"
+
+    def flushing_kernel(*args: Any, **kwargs: Any) -> Any:
+        if pending:
+            flush(reason)
+        return kernel(*args, **kwargs)
+
+    return flushing_kernel
 
 
 def register_all() -> int:

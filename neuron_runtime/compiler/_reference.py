@@ -98,8 +98,10 @@ class ReferenceCompiler(Compiler):
                 "machine": platform.machine()}
 
     def compile(self, signature: dict[str, Any]) -> bytes:
-        op = _resolve(signature["op"])
-        build_call(signature, op)  # refuse now, not at load time
+        if "graph" in signature:
+            build_graph(signature)
+        else:
+            build_call(signature, _resolve(signature["op"]))  # refuse now, not at load time
         return _signature.canonical({"format": "reference-v1", "signature": signature})
 
     def load(self, payload: bytes) -> Executable:
@@ -107,4 +109,32 @@ class ReferenceCompiler(Compiler):
         if desc.get("format") != "reference-v1":
             raise CompileRefused(f"not a reference-v1 descriptor: {desc.get('format')!r}")
         sig = desc["signature"]
+        if "graph" in sig:
+            return build_graph(sig)
         return build_call(sig, _resolve(sig["op"]))
+
+
+def build_graph(signature: dict[str, Any]) -> Executable:
+    """A fused group (see `neuron_runtime.fusion`): its ops in order, each reading the group's inputs
+    (`["e", i]`) or an earlier op's result (`["n", j]`); returns the results listed in `outputs`.
+    Intermediates pass from op to op without being copied anywhere."""
+    steps = []
+    for node in signature["graph"]:
+        call = build_call(node["sig"], _resolve(node["sig"]["op"]))
+        wiring = [(kind == "n", int(i)) for kind, i in node["in"]]
+        n_scalars = sum(1 if kind == _ops.SCALAR and desc is not None else
+                        len(desc) if kind == _ops.SCALARS and desc is not None else 0
+                        for _, kind, desc in node["sig"]["args"])
+        steps.append((call, wiring, n_scalars))
+    outputs = [int(j) for j in signature["outputs"]]
+
+    def run(T: Any, S: Any) -> list[Any]:
+        results: list[Any] = []
+        si = 0
+        for call, wiring, n_scalars in steps:
+            ins = [results[i] if internal else T[i] for internal, i in wiring]
+            results.append(call(ins, S[si:si + n_scalars])[0])
+            si += n_scalars
+        return [results[j] for j in outputs]
+
+    return run
