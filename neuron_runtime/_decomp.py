@@ -4,6 +4,9 @@
     relabelled to neuron it loses the ZeroTensor key and the first read dereferences null. Here: real zeros.
   * out= ops with no CPU kernel whose CompositeExplicitAutograd kernel refuses any device but CPU/CUDA/XPU
     (`mode.values`): the generic out= kernel (functional executable, then copy into `out`).
+  * Ops that mutate arguments and also return fresh tensors (training batch norm: `_native_batch_norm_legit`,
+    `_batch_norm_with_update`), which `_ops.classify` can only run on the host: their `*_functional` twin
+    compiles, and the new running statistics are copied back.
   * Accelerator-only dtypes (`_ops.UPCAST`): CUDA kernels accept float16/bfloat16 where the host CPU kernel
     does not. The inputs are cast to float32, the op runs as usual (compiled), and the outputs are cast back,
     as a device without a native half kernel would compute it.
@@ -93,7 +96,32 @@ def _upcast(qualname: str) -> Callable[..., Any]:
     return kernel
 
 
+def _via_functional(qualname: str, functional: str) -> Callable[..., Any]:
+    """An op that mutates some arguments *and* returns fresh tensors (training batch norm updates the running
+    stats): run its `*_functional` twin, which returns the fresh tensors followed by the new values of the
+    mutated arguments, through the generic compiled kernel; then copy those values into the arguments."""
+    schema = _ops._resolve(qualname)._schema
+    mutated = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    n_fresh = len(schema.returns)
+    cell: list[Callable[..., Any]] = []
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if not cell:
+            cell.append(_generic(functional))
+        outs = cell[0](*args, **kwargs)
+        for j, i in enumerate(mutated):
+            target = args[i] if i < len(args) else kwargs[schema.arguments[i].name]
+            target.copy_(outs[n_fresh + j])
+        return tuple(outs[:n_fresh])
+
+    return kernel
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
+    "aten::_native_batch_norm_legit": _via_functional("aten::_native_batch_norm_legit",
+                                                      "aten::_native_batch_norm_legit_functional"),
+    "aten::_batch_norm_with_update": _via_functional("aten::_batch_norm_with_update",
+                                                     "aten::_batch_norm_with_update_functional"),
     "aten::_efficientzerotensor": efficientzerotensor,
     "aten::mode.values": _lazy_generic("aten::mode.values"),
     **{q: _upcast(q) for q in _ops.UPCAST},

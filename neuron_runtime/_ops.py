@@ -47,6 +47,10 @@ SPECIAL = {
     "aten::convolution_backward_overrideable": "computed as aten::convolution_backward",
     "aten::_efficientzerotensor": "CPU's ZeroTensor has no memory (null data pointer); neuron gets real zeros "
                                   "(_decomp.py)",
+    "aten::_native_batch_norm_legit": "mutates the running stats and returns fresh tensors: computed by "
+                                      "_native_batch_norm_legit_functional + copies (_decomp.py)",
+    "aten::_batch_norm_with_update": "mutates the running stats and returns fresh tensors: computed by "
+                                     "_batch_norm_with_update_functional + copies (_decomp.py)",
     "aten::mode.values": "no CPU kernel; its composite kernel refuses devices other than CPU/CUDA/XPU, so the "
                          "generic out= kernel serves it (_decomp.py)",
 }

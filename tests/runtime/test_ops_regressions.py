@@ -117,3 +117,29 @@ def test_accelerator_only_half_backward() -> None:
     got = torch.autograd.grad(F.avg_pool3d(d, 2).sum(), d)[0]
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.cpu().float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_training_batch_norm_compiles_and_updates_running_stats() -> None:
+    # _native_batch_norm_legit / _batch_norm_with_update mutate the running stats and return fresh tensors:
+    # they ran on the host; now their *_functional twins compile and the stats are copied back.
+    torch.manual_seed(0)
+    cpu = torch.nn.BatchNorm2d(3)
+    dev = torch.nn.BatchNorm2d(3).to(DEV)
+    x = torch.randn(4, 3, 5, 5)
+    before = neuron_runtime.stats()["host_ops"]
+    for _ in range(2):
+        want = cpu(x)
+        got = dev(x.to(DEV))
+        assert_same(want, got, rtol=1e-5, atol=1e-5)
+    assert_same(cpu.running_mean, dev.running_mean)
+    assert_same(cpu.running_var, dev.running_var)
+    assert int(dev.num_batches_tracked.cpu()) == 2
+    assert neuron_runtime.stats()["host_ops"] == before
+    for q in ("aten::_native_batch_norm_legit", "aten::_batch_norm_with_update"):
+        m, v = torch.zeros(3), torch.ones(3)
+        want = getattr(torch.ops.aten, q.removeprefix("aten::"))(x, None, None, m, v, *((True,) if "legit" in q else ()), 0.1, 1e-5)
+        dm, dv = torch.zeros(3, device=DEV), torch.ones(3, device=DEV)
+        got = getattr(torch.ops.aten, q.removeprefix("aten::"))(x.to(DEV), None, None, dm, dv, *((True,) if "legit" in q else ()), 0.1, 1e-5)
+        assert_same(list(want), list(got), rtol=1e-5, atol=1e-5)
+        assert_same(m, dm)
+        assert_same(v, dv)
