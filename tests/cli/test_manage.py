@@ -359,3 +359,26 @@ def test_explain_names_the_part_of_the_key_that_differs(tmp_path: Path, capsys: 
     assert rc == 0 and out["op"] == "aten::add.Tensor"
     rc, _, err = run(capsys, "explain", "0" * 64, *base)
     assert rc == 2 and "pass the signature" in err
+
+
+def test_fleet_commands_on_s3(tmp_path: Path, capsys: pytest.CaptureFixture[str], moto_s3: Any) -> None:
+    """A bundle imported straight into an S3 fleet store, then listed, verified, pruned and cleared there."""
+    bucket = f"neff-cli-{os.getpid()}"
+    moto_s3.make_bucket(bucket)
+    url = f"s3://{bucket}/cache"
+    fill(tmp_path / "src", [sig_n(i) for i in range(4)], size=20_000)
+    bundle = tmp_path / "b.tar"
+    assert run(capsys, "export", str(bundle), "--local-dir", str(tmp_path / "src"), "--json")[0] == 0
+    fleet = ["--local-dir", str(tmp_path / "local"), "--fleet", url, "--json"]
+    rc, out, _ = run(capsys, "import", str(bundle), "--tiers", "fleet", *fleet)
+    assert rc == 0 and out["imported"] == 4 and out["tiers"] == ["fleet"]
+    rc, rows, _ = run(capsys, "ls", "--tiers", "fleet", *fleet)
+    assert rc == 0 and len(rows) == 4 and {r["tier"] for r in rows} == {"fleet"}
+    rc, out, _ = run(capsys, "verify", "--tiers", "all", *fleet)
+    assert rc == 0 and out["checked"] == 4
+    rc, out, _ = run(capsys, "prune", "--tiers", "fleet", "--max-size", "50KB", *fleet)
+    assert rc == 0 and out["tiers"]["fleet"]["removed"] == 2 and out["tiers"]["fleet"]["entries"] == 2
+    rc, out, _ = run(capsys, "clear", "--tiers", "fleet", "--yes", *fleet)
+    assert rc == 0 and out["fleet"]["removed"] == 2
+    rc, st, _ = run(capsys, "stats", "--tiers", "fleet", *fleet)
+    assert st["entries"] == 0
