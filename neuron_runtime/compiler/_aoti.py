@@ -166,6 +166,11 @@ class AotiCompiler(Compiler):
             diff = sorted(k for k in set(ours) | set(theirs or {}) if (theirs or {}).get(k) != ours.get(k))
             raise ArtifactMismatch(f"{meta.get('signature', {}).get('op', '?')}: artifact was built for another "
                                    f"host or toolchain (differs in {', '.join(diff)}); refusing to load it")
+        try:
+            # The fingerprint names the target, not this CPU: a host below the fleet baseline would SIGILL.
+            _toolchain.check_host(self.march)
+        except _toolchain.ToolchainError as e:
+            raise ArtifactMismatch(f"{meta['signature']['op']}: {e}") from e
         loader = _load_package(payload, self.scratch())
         return _make_executable(loader, meta["signature"]["op"], meta["scalar_types"])
 

@@ -83,6 +83,7 @@ def pins(march: str, simdlen: int | None) -> dict[str, Any]:
     return p
 
 
+@functools.cache
 def check_host(march: str) -> None:
     """Raise `ToolchainError` when this CPU cannot run code built for `march` (unknown names pass)."""
     machine = platform.machine()

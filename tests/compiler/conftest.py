@@ -8,12 +8,18 @@ survive between sessions, the executables under test never do (they are compiled
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
@@ -32,10 +38,32 @@ def aoti_compiler(aoti_root: Path) -> Any:
     return AotiCompiler(local_cache_dir=str(aoti_root / "neff"))
 
 
-@pytest.fixture
-def fresh_local_dir(aoti_root: Path) -> Iterator[Path]:
-    """An empty local executable cache beside the shared scratch (so a run compiles, headers are reused)."""
-    path = aoti_root / "neff-e2e"
-    shutil.rmtree(path, ignore_errors=True)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+@pytest.fixture(scope="session")
+def device_run(aoti_root: Path) -> Iterator[subprocess.Popen[str]]:
+    """A process that runs an op on `neuron` with TORCH_NEURONX_COMPILER=aoti and prints its stats.
+
+    Started once, early (the `compiled` fixture asks for it first): g++ is single-threaded, so on two
+    cores its compile overlaps the in-process compiles instead of adding to them. Its local cache starts
+    empty, so it compiles; the scratch (precompiled headers) is the session's."""
+    local = aoti_root / "neff-e2e"
+    shutil.rmtree(local, ignore_errors=True)
+    script = textwrap.dedent("""
+        import json
+        import torch, neuron_runtime
+        torch.manual_seed(0)
+        x = torch.randn(64, device="neuron")
+        y = (x + x).cpu()
+        torch.testing.assert_close(y, x.cpu() * 2)
+        print(json.dumps(neuron_runtime.stats()))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(local))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+        shutil.rmtree(local, ignore_errors=True)
