@@ -181,6 +181,30 @@ class LocalCache(CacheBackend):
             return None
         return value if isinstance(value, bytes) else None
 
+    def peek(self, key: str) -> bytes | None:
+        """Like `get`, but leaves the entry's last-use time alone: a scan (`neuron-cache ls`, `verify`,
+        `export`) must not make every entry look recently used to LRU eviction and `prune --older-than`.
+        Same refusal of pickled rows as `get` (the row's mode is checked before anything is read)."""
+        check_key(key)
+        db = self._db("peek")
+        if db is None:
+            return None
+        try:
+            row = db._sql(  # noqa: SLF001 - one read-only query; diskcache's get would update access_time
+                "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,)
+            ).fetchone()
+            if row is None:
+                return None
+            value = db.disk.fetch(row[0], row[1], row[2], False)
+        except IntegrityError:
+            raise
+        except FileNotFoundError:
+            return None  # deleted between the row and the file: a miss, as in `get`
+        except (OSError, sqlite3.Error, diskcache.Timeout) as e:
+            self.faults.record(_kind(e), "peek", e)
+            return None
+        return value if isinstance(value, bytes) else None
+
     def put(self, key: str, data: bytes) -> bool:
         check_key(key)
         # diskcache pickles anything that is not exactly `bytes` (bytearray, memoryview, ...).
