@@ -104,7 +104,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                     if info.key in seen or (wanted is not None and info.key not in wanted):
                         continue
                     try:
-                        data = tier.backend.get(info.key)
+                        data = _common.read_entry(tier.backend, info.key)
                         if data is None:
                             continue
                         entry = check_entry(info.key, data, cfg.signing_key)

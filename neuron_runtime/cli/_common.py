@@ -246,6 +246,14 @@ class Progress:
         self.stream.flush()
 
 
+def read_entry(backend: CacheBackend, key: str) -> bytes | None:
+    """The stored bytes, without counting as a use where the tier tracks last use (local LRU): scans
+    must not make every entry look fresh to eviction and `prune --older-than`."""
+    peek = getattr(backend, "peek", None)
+    data: bytes | None = peek(key) if peek is not None else backend.get(key)
+    return data
+
+
 def iter_headers(tier: Tier) -> Iterator[tuple[str, int, float, dict[str, Any] | None, bytes | None]]:
     """(key, size, mtime, header or None, bytes or None) for every entry of a tier. Headers are read
     *unverified* (listings and `explain` only); None when the entry vanished or its header is unreadable."""
@@ -254,7 +262,7 @@ def iter_headers(tier: Tier) -> Iterator[tuple[str, int, float, dict[str, Any] |
 
     for info in list(tier.backend.entries()):
         try:
-            data = tier.backend.get(info.key)
+            data = read_entry(tier.backend, info.key)
         except CacheError:
             yield info.key, info.size, info.mtime, None, None
             continue

@@ -228,7 +228,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for info in list(tier.backend.entries()):
                 data: bytes | None = None
                 try:
-                    data = tier.backend.get(info.key)
+                    data = _common.read_entry(tier.backend, info.key)
                     if data is None:
                         continue  # deleted since the listing
                     checked += 1

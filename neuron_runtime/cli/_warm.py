@@ -267,7 +267,7 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
 def _push(local: Any, fleet: Any, key: str, cfg: _config.Config) -> bool:
     """Copy a verified local entry to the fleet store (a bad one is left for the compile to replace)."""
     try:
-        data = local.get(key)
+        data = _common.read_entry(local, key)
         if data is None:
             return False
         envelope.unpack(data, expected_key=key, signing_key=cfg.signing_key)

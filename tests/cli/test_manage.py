@@ -210,6 +210,20 @@ def test_prune_while_another_process_reads(tmp_path: Path, capsys: pytest.Captur
     assert counts["whole"] > 0 and counts["missing"] > 0 and counts["passes"] >= 2
 
 
+def test_scans_do_not_count_as_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ls, verify, export and explain read every entry; that must not make them look recently used."""
+    import sqlite3
+
+    local = tmp_path / "local"
+    fill(local, [sig_n(i) for i in range(3)], size=1_000)
+    with sqlite3.connect(local / "v1" / "cache.db") as db:
+        db.execute("UPDATE Cache SET access_time = ?", (time.time() - 3 * 86400,))
+    for cmd in (["ls"], ["verify"], ["export", str(tmp_path / "b.tar")], ["explain", json.dumps(ADD)]):
+        run(capsys, *cmd, "--local-dir", str(local), "--json")
+    rc, out, _ = run(capsys, "prune", "--older-than", "2d", "--local-dir", str(local), "--json")
+    assert rc == 0 and out["tiers"]["local"]["removed"] == 3
+
+
 def test_prune_needs_a_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run(capsys, "prune", "--local-dir", str(tmp_path))
     assert rc == 2 and "--max-size" in err
