@@ -13,7 +13,8 @@ queue first, in stream order:
 A flushed group is identified by its ops' keys and how they are wired. Until it has been seen
 TORCH_NEURONX_FUSION_MIN_SEEN times it runs op by op (so fusion never multiplies cold-start compiles);
 then it is compiled as one executable (a graph signature: the ops' signatures and their wiring, keyed and
-cached like any op) and run in one call. Outputs whose tensors are already dead at the flush are never
+cached like any op) and run in one call. An output whose memory nobody can read any more at the flush (no
+tensor, view or autograd-saved tensor holds it: its buffer's use count is back to one) is never
 materialised. A group that fails to compile or run falls back to op by op and is remembered as not
 fusible. Results are those of the same ops in the same order.
 """
@@ -21,7 +22,6 @@ fusible. Results are those of the same ops in the same order.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 import torch
@@ -37,12 +37,11 @@ def fusible(info: _ops.OpInfo) -> bool:
 
 
 class _Node:
-    __slots__ = ("info", "key", "exe", "ins", "scalars", "out", "ref")
+    __slots__ = ("info", "key", "exe", "ins", "scalars", "out")
 
     def __init__(self, info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any],
-                 out: torch.Tensor, ref: Any) -> None:
-        self.info, self.key, self.exe, self.ins, self.scalars, self.out, self.ref = (
-            info, key, exe, ins, scalars, out, ref)
+                 out: torch.Tensor) -> None:
+        self.info, self.key, self.exe, self.ins, self.scalars, self.out = info, key, exe, ins, scalars, out
 
 
 class _Unfusible:
@@ -104,7 +103,7 @@ class Fusion:
             n = wrap(out)
             self.producers[id(out)] = len(PENDING)
             self.pending_ptrs.add(out.data_ptr())
-            PENDING.append(_Node(info, key, exe, ins, scalars, out, weakref.ref(n)))
+            PENDING.append(_Node(info, key, exe, ins, scalars, out))
             self.stats["ops_buffered"] += 1
             if len(PENDING) >= self.limit:
                 self.flush("buffer_limit")
@@ -142,7 +141,9 @@ class Fusion:
                 structure.append((node.info.qualname, node.key, tuple(wiring)))
             group = tuple(structure)
             seen = self.seen[group] = self.seen.get(group, 0) + 1
-            live = tuple(j for j, node in enumerate(nodes) if node.ref() is not None)
+            # `out` is referenced by the neuron tensor's storage (and so by its views and by autograd's
+            # saved tensors) for as long as anything can read it; our own references add no use count.
+            live = tuple(j for j, node in enumerate(nodes) if node.out._use_count() > 1)
             self.stats["outputs_not_materialised"] += len(nodes) - len(live)
             if len(nodes) > 1 and seen >= self.min_seen and self.fused.get(group) is not UNFUSIBLE:
                 if self._run_fused(group, nodes, ext, live):

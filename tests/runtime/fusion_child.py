@@ -1,0 +1,124 @@
+"""Run by test_fusion.py in a fresh process (fusion is decided when kernels are built): one scenario,
+its results as JSON on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import neuron_runtime
+from neuron_runtime import _kernels
+
+D = "neuron"
+
+
+def train(steps: int = 6) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(D)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 8).to(D), torch.randn(16, 4).to(D)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        out = model(x)
+        loss = ((torch.sigmoid(out) * 2 - y).abs() + 0.1).pow(2).mean()  # a pointwise chain
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": [p.detach().cpu().flatten().tolist() for p in model.parameters()]}
+
+
+def chain(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x * 2 + 1).relu() - 0.5
+
+
+def triggers() -> dict[str, object]:
+    x = torch.randn(32, device=D)
+    reasons = {}
+
+    def last_reason(action) -> str:  # type: ignore[no-untyped-def]
+        before = dict(neuron_runtime.stats()["fusion"]["flushes"])
+        action()
+        after = neuron_runtime.stats()["fusion"]["flushes"]
+        new = [k for k in after if after[k] != before.get(k, 0)]
+        return new[0] if new else "none"
+
+    chain(x).cpu()  # first run: learn output metadata
+    reasons["item"] = last_reason(lambda: chain(x).sum().item())
+    reasons["cpu"] = last_reason(lambda: chain(x).cpu())
+    reasons["print"] = last_reason(lambda: repr(chain(x)))
+    reasons["bool"] = last_reason(lambda: bool(chain(x)[0] > 0))
+    reasons["view"] = last_reason(lambda: chain(x).view(4, 8))
+    reasons["inplace"] = last_reason(lambda: chain(x).add_(1))
+    reasons["non_fusible"] = last_reason(lambda: torch.mm(chain(x).view(4, 8), torch.ones(8, 2, device=D)))
+
+    def grad_change() -> None:
+        with torch.no_grad():
+            y = chain(x)
+        y * 3
+    reasons["grad_mode"] = last_reason(grad_change)
+
+    x.t().exp().cpu()  # exp's first run: learn it
+
+    def view_of_pending() -> None:
+        y = chain(x)
+        y.t().exp()  # t() is a composite view: reading it must run the queued ops first
+    reasons["reads_pending"] = last_reason(view_of_pending)
+    reasons["synchronize"] = last_reason(lambda: (chain(x), torch.neuron.synchronize()))
+    # correctness after all that
+    ok = torch.equal(chain(x).cpu(), chain(x.cpu()))
+    return {"reasons": reasons, "ok": ok}
+
+
+def main() -> int:
+    scenario = sys.argv[1]
+    if scenario == "train":
+        out: dict[str, object] = train()
+    elif scenario == "triggers":
+        out = triggers()
+    elif scenario == "limit":
+        x = torch.randn(8, device=D)
+        chain(x).cpu()
+        y = chain(chain(x))
+        out = {"ok": torch.equal(y.cpu(), chain(chain(x.cpu())))}
+    elif scenario == "refuse_graphs":
+        from neuron_runtime.compiler import CompileRefused
+        from neuron_runtime.compiler._reference import ReferenceCompiler
+
+        attempts = []
+        orig = ReferenceCompiler.compile
+
+        def refusing(self, sig):  # type: ignore[no-untyped-def]
+            if "graph" in sig:
+                attempts.append(sig["op"])
+                raise CompileRefused("this compiler does not fuse")
+            return orig(self, sig)
+
+        ReferenceCompiler.compile = refusing  # type: ignore[method-assign]
+        x = torch.randn(16, device=D)
+        results = [torch.equal(chain(x).cpu(), chain(x.cpu())) for _ in range(6)]
+        out = {"ok": all(results), "attempts": len(attempts)}
+    elif scenario == "dead_intermediates":
+        x = torch.randn(16, device=D)
+        for _ in range(4):
+            y = chain(x)
+            keep = y * 1.0
+            del y
+            keep.cpu()
+        out = {}
+    elif scenario == "off":
+        x = torch.randn(16, device=D)
+        chain(x).cpu()
+        src = _kernels.kernel_for("aten::add.Tensor").__neuron_source__  # type: ignore[attr-defined]
+        out = {"hooks_in_kernel": "_zPENDING" in src or "_zSUBMIT" in src}
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    out["stats"] = neuron_runtime.stats()
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Experimental fusion (TORCH_NEURONX_ENABLE_CONCATENATION=1), each scenario in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CHILD = Path(__file__).with_name("fusion_child.py")
+
+
+def run(scenario: str, tmp_path: Path, fusion: bool = True, **env: str) -> dict:  # type: ignore[type-arg]
+    full = dict(os.environ, TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_FUSION_MIN_SEEN="2",
+                TORCH_NEURONX_ENABLE_CONCATENATION="1" if fusion else "0",
+                TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(tmp_path / "cache"))
+    full.update(env)
+    r = subprocess.run([sys.executable, str(CHILD), scenario], capture_output=True, text=True, env=full,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_fused_training_matches_unfused_step_by_step(tmp_path: Path) -> None:
+    fused = run("train", tmp_path / "on")
+    plain = run("train", tmp_path / "off", fusion=False)
+    assert fused["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    for a, b in zip(fused["params"], plain["params"]):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
+    f = fused["stats"]["fusion"]
+    assert f["fused_executions"] > 0 and f["ops_fused"] > f["fused_executions"]
+    assert "fusion" not in plain["stats"]
+
+
+def test_every_flush_trigger(tmp_path: Path) -> None:
+    out = run("triggers", tmp_path)
+    r = out["reasons"]
+    assert out["ok"]
+    assert r["item"] == "op:aten::sum" or r["item"].startswith("op:aten::sum")
+    assert r["cpu"] == "op:aten::_copy_from"
+    assert r["print"].startswith("op:")
+    assert r["bool"].startswith("op:")
+    assert r["view"] == "op:aten::view"
+    assert r["inplace"] == "op:aten::add_.Tensor"
+    assert r["non_fusible"] in ("op:aten::view", "op:aten::mm")
+    assert r["grad_mode"] == "grad_or_autocast"
+    assert r["reads_pending"] == "reads_pending_memory"
+    assert r["synchronize"] == "synchronize"
+
+
+def test_buffer_limit_flushes(tmp_path: Path) -> None:
+    out = run("limit", tmp_path, TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT="3")
+    assert out["ok"] and out["stats"]["fusion"]["flushes"].get("buffer_limit", 0) >= 2
+
+
+def test_group_that_cannot_compile_runs_op_by_op_and_is_remembered(tmp_path: Path) -> None:
+    out = run("refuse_graphs", tmp_path)
+    assert out["ok"]
+    assert out["attempts"] == 1  # remembered as not fusible after one refusal
+    assert out["stats"]["fusion"]["fused_executions"] == 0
+
+
+def test_dead_intermediates_are_not_materialised(tmp_path: Path) -> None:
+    out = run("dead_intermediates", tmp_path)
+    f = out["stats"]["fusion"]
+    assert f["outputs_not_materialised"] >= 3 * 4 and f["fused_executions"] >= 1
+
+
+def test_flag_off_is_exactly_the_per_op_path(tmp_path: Path) -> None:
+    out = run("off", tmp_path, fusion=False)
+    assert out["hooks_in_kernel"] is False and "fusion" not in out["stats"]
