@@ -1,0 +1,130 @@
+"""Fusion benchmark (JSON on stdout): training steps of a small MLP and a small transformer block with
+fusion off, fusion on (TORCH_NEURONX_ENABLE_CONCATENATION=1), native CPU eager and `torch.compile` on CPU.
+
+Fusion is decided when a process builds its kernels, so each mode runs in its own process; every process
+also times native CPU eager on the same model, so each ratio is measured side by side (interleaved
+rounds, medians, OMP_NUM_THREADS=1). Also checks that fusion on and off give the same losses.
+
+    python benchmarks/fusion.py [--tier reference|aoti] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, os, statistics, sys, time, torch
+torch.set_num_threads(1)
+mode, steps = sys.argv[1], int(sys.argv[2])
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128),
+                               torch.nn.GELU(), torch.nn.Linear(128, 10)), (torch.randn(32, 64),)
+
+class Block(torch.nn.Module):
+    def __init__(self, d=64, h=4):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.attn = torch.nn.MultiheadAttention(d, h, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+    def forward(self, x):
+        y = self.ln1(x)
+        x = x + self.attn(y, y, y, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+def block():
+    return Block(), (torch.randn(4, 16, 64),)
+
+def step_fn(make, device, compiled=False):
+    torch.manual_seed(0)
+    model, (x,) = make()
+    model = model.to(device)
+    x = x.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fwd = torch.compile(model) if compiled else model
+    losses = []
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = fwd(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss)
+    return step, losses
+
+def timeit(fn, n):
+    t0 = time.perf_counter()
+    for _ in range(n): fn()
+    return (time.perf_counter() - t0) / n * 1e3
+
+out = {}
+for name, make in (("mlp", mlp), ("transformer_block", block)):
+    native, _ = step_fn(make, "cpu")
+    if mode == "compile":
+        other, losses = step_fn(make, "cpu", compiled=True)
+    else:
+        other, losses = step_fn(make, "neuron")
+    for _ in range(8):  # warm: compiles, fusion groups become hot
+        native(); other()
+    if mode != "compile":
+        torch.neuron.synchronize()
+    a, b = [], []
+    for _ in range(5):
+        a.append(timeit(native, steps)); b.append(timeit(lambda: (other(), losses[-1].item()), steps))
+    out[name] = {"native_ms": statistics.median(a), "mode_ms": statistics.median(b),
+                 "losses": [float(l) for l in losses[:6]]}
+if mode != "compile":
+    import neuron_runtime
+    s = neuron_runtime.stats()
+    out["fallback_ops"] = s["fallback_ops"]
+    out["fusion"] = s.get("fusion")
+print(json.dumps(out))
+"""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tier", default="reference", choices=["reference", "aoti"])
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args()
+    cache = tempfile.mkdtemp(prefix="neuron-fusion-bench-")
+    base = dict(os.environ, OMP_NUM_THREADS="1", TORCH_NEURONX_COMPILER=args.tier,
+                TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=cache)
+    modes = {"fusion_off": {"TORCH_NEURONX_ENABLE_CONCATENATION": "0"},
+             "fusion_on": {"TORCH_NEURONX_ENABLE_CONCATENATION": "1"},
+             "torch_compile": {}}
+    results = {}
+    for mode, extra in modes.items():
+        arg = "compile" if mode == "torch_compile" else "neuron"
+        r = subprocess.run([sys.executable, "-c", CHILD, arg, str(args.steps)], env=dict(base, **extra),
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            results[mode] = {"error": r.stderr[-1500:]}
+            continue
+        results[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    report: dict[str, object] = {"tier": args.tier, "steps_per_round": args.steps}
+    for model in ("mlp", "transformer_block"):
+        row: dict[str, object] = {}
+        for mode, res in results.items():
+            if "error" in res:
+                row[mode] = res
+                continue
+            m = res[model]
+            row[mode] = {"ms": round(m["mode_ms"], 3), "native_eager_ms_same_process": round(m["native_ms"], 3),
+                         "vs_native": round(m["mode_ms"] / m["native_ms"], 2)}
+        on, off = results.get("fusion_on", {}), results.get("fusion_off", {})
+        if model in on and model in off:
+            row["losses_equal_on_off"] = all(abs(a - b) <= 1e-5 * max(1.0, abs(b))
+                                             for a, b in zip(on[model]["losses"], off[model]["losses"]))
+        report[model] = row
+    report["fusion_stats"] = results.get("fusion_on", {}).get("fusion")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
