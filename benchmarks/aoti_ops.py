@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     t_start = time.perf_counter()
     compiler = AotiCompiler(local_cache_dir=str(root / "neff"))
+    compiler.fingerprint()
     fp_s = time.perf_counter() - t_start
     compiled = []
     for qualname, values in _ops_to_compile()[: args.ops]:
