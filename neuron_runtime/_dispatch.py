@@ -206,15 +206,18 @@ class Runtime:
         exe = self.by_digest.get(digest)
         if exe is not None:
             return exe, digest
+        # Not under self.lock: threads needing different keys compile in parallel; the cache's
+        # single-flight makes threads needing the same key wait for one compile.
+        exe = self._load_or_compile(digest, sig)
         with self.lock:
-            exe = self.by_digest.get(digest)
-            if exe is None:
-                exe = self._load_or_compile(digest, sig)
-                if len(self.by_digest) >= self.cfg.memory_cache_entries:
-                    self._evict()
-                self.by_digest[digest] = exe
-                if self.recorder is not None:
-                    self.recorder(sig, digest)
+            known = self.by_digest.get(digest)
+            if known is not None:
+                return known, digest
+            if len(self.by_digest) >= self.cfg.memory_cache_entries:
+                self._evict()
+            self.by_digest[digest] = exe
+        if self.recorder is not None:
+            self.recorder(sig, digest)
         return exe, digest
 
     def _evict(self) -> None:
@@ -232,11 +235,11 @@ class Runtime:
     def _load_or_compile(self, digest: str, sig: dict[str, Any]) -> Executable:
         cache = self.cache
         if cache is None:
-            self.counts["misses"] += 1
+            self._count("misses")
             if self.cfg.cache_mode == "strict":
                 raise CacheMissError(digest, self._strict_message(digest, sig))
             payload = self.compiler.compile(sig)
-            self.counts["compiles"] += 1
+            self._count("compiles")
             return self.compiler.load(payload)
 
         def compile_entry() -> bytes:
@@ -257,18 +260,27 @@ class Runtime:
                 raise
             # Verified bytes that still do not load (e.g. built for another host): never run them;
             # drop them and compile here.
-            self.counts["corrupt"] += 1
+            self._count("corrupt")
             warnings.warn(f"neuron: cached executable {digest} for {sig['op']} does not load here "
                           f"({type(e).__name__}: {e}); recompiling", UserWarning, stacklevel=2)
             if cache.writable:
                 for _, backend in cache.tiers:
                     backend.delete(digest)
             data = compile_entry()
-            self.counts["compiles"] += 1
+            self._count("compiles")
             cache.put(digest, data)
             exe = self.compiler.load(cache._verify(digest, data).payload)
-        self.counts["loads"] += 1
+        self._count("loads")
         return exe
+
+    def _count(self, name: str) -> None:
+        """Bump a counter the TieredCache may bump too: under the cache's lock when there is one."""
+        cache = self._cache
+        if cache is not None:
+            cache._count(name)
+        else:
+            with self.lock:
+                self.counts[name] += 1
 
     @staticmethod
     def _strict_message(digest: str, sig: dict[str, Any]) -> str:
