@@ -25,9 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 SAMPLES = int(os.environ.get("NEURON_CONFORMANCE_SAMPLES", "2"))
 JOBS = int(os.environ.get("NEURON_CONFORMANCE_JOBS", "2"))
 
-_CONJ = ("a neuron tensor with the conjugate or negative bit set crashes when materialized (SIGSEGV, "
-         "recursion through empty_strided/_copy_from; _dispatch.alias_slow relabels it through DLPack, which "
-         "resolves the bit on neuron again); owner: dispatch")
+_CONJ = ("neuron tensors with the conjugate or negative bit (x.conj() on complex, x.conj().imag): their CPU "
+         "views (_dispatch.alias/alias_slow, via DLPack) drop the bit and the in-process key does not hold it, so "
+         "clone/copy of one gives unconjugated values, and materializing one from C++ recurses through "
+         "empty_strided until SIGSEGV; owner: dispatch")
 # Ops that do not match CPU yet, and why. A test here fails once the op matches: then delete the entry.
 KNOWN_FAILURES: dict[str, str] = {
     "polar": _CONJ + " - its backward conjugates the gradient",
@@ -39,8 +40,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "fft.ihfftn": _CONJ,
     "linalg.eigvals": _CONJ,
     "linalg.eig": _CONJ + " - the backward's gauge check sees wrong values and raises",
-    "to": ("x.to('cpu', non_blocking=True) from neuron asks PrivateUse1HooksInterface for a pinned-memory "
-           "allocator, which the device registration does not provide (NotImplementedError); owner: device"),
 }
 
 OPS = [op_key(op) for op in load_op_db()]
@@ -94,6 +93,7 @@ def test_accelerator_only_dtypes(coverage: dict[str, Any]) -> None:
 
 def test_tables_name_real_ops_with_reasons() -> None:
     tables = {"SKIP": _skips.SKIP, "METADATA_ONLY": _skips.METADATA_ONLY, "CPU_ARGS": _skips.CPU_ARGS,
+              "ANY_DEVICE": _skips.ANY_DEVICE,
               "ACCEL_UNSUPPORTED": _skips.ACCEL_UNSUPPORTED, "KNOWN_FAILURES": KNOWN_FAILURES}
     for table, entries in tables.items():
         for name, reason in entries.items():
