@@ -71,7 +71,7 @@ def _upcast(qualname: str) -> Callable[..., Any]:
                     and t.dtype in _LOW), None)
         if low is None:
             return inner(*args, **kwargs)
-        # 1. Cast the low-precision tensors up (through the runtime: a compiled `_to_copy`).
+        # 1. Cast the low-precision tensors up (fresh neuron tensors).
         up_args = [a.float() if isinstance(a, torch.Tensor) and a.dtype == low else a for a in args]
         up_kwargs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == low else v)
                      for k, v in kwargs.items()}
