@@ -26,6 +26,9 @@ ENV_TWINS = {
     "signing_key_file": "TORCH_NEURONX_CACHE_SIGNING_KEY_FILE",
 }
 
+#: TORCH_NEURONX_STATS_FILE as the program found it (`main` removes it from this process's environment).
+STATS_FILE_ENV: str | None = None
+
 RUNS_FILE = "neuron-cache-runs.jsonl"  # in the local cache directory: summaries of the last warm/compile runs
 QUARANTINE_DIR = "quarantine"  # in the local cache directory: entries `verify` refused
 

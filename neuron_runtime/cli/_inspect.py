@@ -110,8 +110,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _stats_files(args: argparse.Namespace) -> list[str]:
-    patterns = args.run_stats or ([os.environ["TORCH_NEURONX_STATS_FILE"]]
-                                  if os.environ.get("TORCH_NEURONX_STATS_FILE") else [])
+    default = _common.STATS_FILE_ENV or os.environ.get("TORCH_NEURONX_STATS_FILE")
+    patterns = args.run_stats or ([default] if default else [])
     files: list[str] = []
     for pat in patterns:
         files.extend(sorted(glob.glob(pat)) or ([pat] if args.run_stats else []))

@@ -42,6 +42,12 @@ def _split_job(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        # This process imports the runtime, whose exit hook would write *this* process's (empty) counters
+        # over the user's TORCH_NEURONX_STATS_FILE: keep the path for `stats`, drop it from the environment.
+        from neuron_runtime.cli import _common
+
+        _common.STATS_FILE_ENV = os.environ.pop("TORCH_NEURONX_STATS_FILE", None)
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, job = _split_job(argv)
     parser = _build_parser()

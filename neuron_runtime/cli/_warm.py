@@ -287,10 +287,14 @@ class _Pool:
         self.progress = progress
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen[str]] = []
+        self.started = 0
         self.logs = tempfile.mkdtemp(prefix="neuron-cache-workers-")
 
     def _start(self, slot: int) -> tuple[subprocess.Popen[str], IO[str]]:
-        log_file = open(os.path.join(self.logs, f"worker-{slot}.log"), "a+", encoding="utf-8")  # noqa: SIM115
+        with self.lock:
+            self.started += 1
+            n = self.started
+        log_file = open(os.path.join(self.logs, f"worker-{slot}-{n}.log"), "w+", encoding="utf-8")  # noqa: SIM115
         proc = subprocess.Popen([sys.executable, "-m", "neuron_runtime.cli._worker"], env=self.env, text=True,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, bufsize=1)
         with self.lock:
@@ -310,16 +314,26 @@ class _Pool:
             work.put(t)
         results: dict[int, dict[str, Any]] = {}
 
+        broken: list[str] = []  # why workers cannot start at all (then the rest fail fast, not one by one)
+
         def slot(s: int) -> None:
             proc: subprocess.Popen[str] | None = None
             log_file: IO[str] | None = None
+            answered = 0  # by the current worker
+            dead_on_arrival = 0  # consecutive workers of this slot that died before their first answer
             while True:
                 try:
                     i, sig = work.get_nowait()
                 except queue.Empty:
                     break
+                if broken:
+                    with self.lock:
+                        results[i] = {"i": i, "status": "failed", "reason": broken[0]}
+                        self.progress.step("failed", names[i])
+                    continue
                 if proc is None:
                     proc, log_file = self._start(s)
+                    answered = 0
                 assert proc.stdin is not None and proc.stdout is not None and log_file is not None
                 timed_out = threading.Event()
 
@@ -352,6 +366,12 @@ class _Pool:
                     answer = {"i": i, "status": "failed", "reason": f"{why}; worker log: {self._tail(log_file)}"}
                     log_file.close()
                     proc, log_file = None, None  # a fresh worker for the next signature
+                    dead_on_arrival = dead_on_arrival + 1 if answered == 0 and not timed_out.is_set() else 0
+                    if dead_on_arrival >= 2:
+                        broken.append(f"compile workers cannot start ({answer['reason']})")
+                else:
+                    answered += 1
+                    dead_on_arrival = 0
                 with self.lock:
                     results[i] = answer
                     self.progress.step(answer.get("status", "failed"), names[i], answer.get("seconds"))
