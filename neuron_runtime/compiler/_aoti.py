@@ -17,6 +17,7 @@ load(bytes):
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import json
@@ -24,7 +25,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 import warnings
 import zipfile
@@ -61,8 +61,9 @@ _UNDEFINED_VALUES = {
     "aten::new_empty_strided": "uninitialised memory",
 }
 
-# Inductor's configuration and scratch paths are process globals: one compile at a time per process.
-_COMPILE_LOCK = threading.Lock()
+# Inductor's configuration and scratch paths are process globals: one compile at a time per process, on a
+# thread with torch's default thread-local state (see `AotiCompiler.compile`).
+_WORKER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuron-aoti-compile")
 
 
 class ArtifactMismatch(RuntimeError):
@@ -97,6 +98,15 @@ class AotiCompiler(Compiler):
 
     # -- compile ------------------------------------------------------------------------------------
     def compile(self, signature: dict[str, Any]) -> bytes:
+        """Compiles on the tier's own thread, one compile at a time per process.
+
+        Inductor's configuration and scratch paths are process globals, so compiles cannot overlap. The
+        caller is usually inside a `neuron` kernel, under whatever thread-local state the user's code set
+        (inference mode, autocast, a default device, dispatch keys excluded below autograd); a thread of
+        our own exports and checks the op under torch's defaults instead."""
+        return _WORKER.submit(self._compile, signature).result()
+
+    def _compile(self, signature: dict[str, Any]) -> bytes:
         qualname = signature["op"]
         try:
             _toolchain.check_host(self.march)
@@ -109,7 +119,7 @@ class AotiCompiler(Compiler):
         fp = self.fingerprint()
         scratch = self.scratch()
         # Inductor's deprecation and future warnings are about Inductor, not the user's program.
-        with _COMPILE_LOCK, _redirected(scratch), warnings.catch_warnings(record=True) as caught:
+        with _redirected(scratch), warnings.catch_warnings(record=True) as caught:
             t0 = time.perf_counter()
             ep = _export(qualname, run, n_tensors, inputs)
             _check_outputs(qualname, ep)

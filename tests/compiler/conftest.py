@@ -51,8 +51,11 @@ def device_run(aoti_root: Path) -> Iterator[subprocess.Popen[str]]:
         import json
         import torch, neuron_runtime
         torch.manual_seed(0)
-        x = torch.randn(64, device="neuron")
-        y = (x + x).cpu()
+        torch.set_default_device("neuron")  # the compile must not make its example inputs on neuron
+        x = torch.randn(64)
+        assert x.device.type == "neuron"
+        with torch.inference_mode():  # nor trace under the caller's inference mode
+            y = (x + x).cpu()
         torch.testing.assert_close(y, x.cpu() * 2)
         print(json.dumps(neuron_runtime.stats()))
     """)
