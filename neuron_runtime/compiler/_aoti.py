@@ -113,6 +113,7 @@ class AotiCompiler(Compiler):
         except _toolchain.ToolchainError as e:
             raise CompileRefused(f"{qualname}: {e}") from e
         op = _resolve(qualname)
+        _check_scalar_schema(qualname, op, signature)
         run = build_call(signature, _per_element(qualname, op, signature) or op)
         inputs, scalar_types = _example_inputs(signature)
         n_tensors = len(inputs) - len(scalar_types)
@@ -276,6 +277,21 @@ def _example_inputs(signature: dict[str, Any], values: bool = False) -> tuple[li
             _check_value(signature["op"], name, _signature.decode_value(desc))
     scalars = [torch.tensor(0.5 if t == "float" else 2, dtype=_SCALAR_DTYPES[t]) for t in scalar_types]
     return tensors + scalars, scalar_types
+
+
+def _check_scalar_schema(qualname: str, op: Any, signature: dict[str, Any]) -> None:
+    """Refuse run-time scalars the op's schema cannot take symbolically.
+
+    Only `Scalar` (schema `number`) arguments accept the SymFloat/SymInt that carries a run-time value
+    through export; an argument typed `float` (eps, momentum, dropout p, `_fused_adamw`'s lr) rejects it
+    ("Expected a value of type 'float' ... found type 'SymFloat'"). Baking the value in would be wrong for
+    the next call, since the key holds only its type: such arguments must be keyed by value to compile."""
+    types = {a.name: str(a.type) for a in op._schema.arguments}
+    for name, kind, desc in signature["args"]:
+        if kind in (_ops.SCALAR, _ops.SCALARS) and desc is not None and "number" not in types.get(name, ""):
+            raise CompileRefused(f"{qualname}: argument {name} is a `{types.get(name)}` in the schema, which "
+                                 "cannot take a run-time value (only `Scalar` arguments can); it compiles once "
+                                 "keyed by value")
 
 
 def _example_tensor(desc: dict[str, Any], values: bool = False) -> torch.Tensor:

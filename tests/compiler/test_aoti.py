@@ -154,6 +154,10 @@ def test_refuses_what_it_cannot_compile(aoti_compiler: AotiCompiler) -> None:
     _, sig = signature_of("aten::add.Tensor", torch.randn(4), torch.randn(4), 1j)
     with pytest.raises(CompileRefused, match="complex"):
         aoti_compiler.compile(sig)
+    # eps is a schema `float`, not a `Scalar`: it cannot be a run-time input, and baking it would be wrong.
+    _, sig = signature_of("aten::native_layer_norm", torch.randn(4, 8), [8], torch.randn(8), torch.randn(8), 1e-5)
+    with pytest.raises(CompileRefused, match="eps"):
+        aoti_compiler.compile(sig)
 
 
 def test_loads_in_another_process_without_compiling(compiled: dict[str, Compiled], tmp_path: Path,
