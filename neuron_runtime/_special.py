@@ -127,7 +127,20 @@ def _dispatch_kernel(qualname: str) -> Callable[..., Any]:
     return _kernels.kernel_for(qualname)
 
 
+def to_copy(self: torch.Tensor, *, dtype: Any = None, layout: Any = None, device: Any = None,
+            pin_memory: Any = None, non_blocking: bool = False, memory_format: Any = None) -> torch.Tensor:
+    """`.to()` / `.cpu()` of a neuron tensor. PyTorch's composite kernel would ask the accelerator for a
+    pinned-memory allocator on `non_blocking=True` copies to the CPU (a Python backend has none); neuron
+    memory is host memory, so every copy is a plain host copy and is complete on return."""
+    target = torch.device(device) if device is not None else self.device
+    check_device(target)
+    out = torch.ops.aten._to_copy.default(_host(self), dtype=dtype, layout=layout, device="cpu",
+                                          memory_format=memory_format)
+    return out if target.type == "cpu" else wrap(out)
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
+    "aten::_to_copy": to_copy,
     "aten::empty.memory_format": empty_memory_format,
     "aten::empty_strided": empty_strided,
     "aten::_copy_from": copy_from,

@@ -280,3 +280,13 @@ def test_pin_memory_is_a_no_op() -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2,
                                          pin_memory=True)
     assert [b[0].shape for b in loader] == [torch.Size([2, 2])] * 2
+
+
+def test_non_blocking_copies_both_ways() -> None:
+    x = torch.arange(4.0, requires_grad=True)
+    n = x.detach().to(DEV, non_blocking=True).requires_grad_()
+    back = n.to("cpu", non_blocking=True)  # PyTorch would want a pinned allocator for this
+    assert back.device.type == "cpu" and torch.equal(back.detach(), x.detach())
+    (back * 3).sum().backward()
+    assert_same(torch.full((4,), 3.0), n.grad)
+    assert n.to(torch.float16).dtype == torch.float16 and n.to(torch.float16).device.type == DEV
