@@ -265,8 +265,11 @@ def markdown(cov: dict[str, Any]) -> str:
                   "result cast back.", ""]
     bad = [(n, r) for n, r in cov["ops"].items() if r["status"] in ("mismatch", "error")]
     if bad:
-        lines += ["## Mismatches and errors", "", "| op | status | reason |", "|---|---|---|"]
-        lines += [f"| `{n}` | {r['status']} | {_cell(r.get('reason', ''))} |" for n, r in bad]
+        from ._skips import KNOWN_FAILURES
+
+        lines += ["## Mismatches and errors", "", "| op | status | reason | known cause |", "|---|---|---|---|"]
+        lines += [f"| `{n}` | {r['status']} | {_cell(r.get('reason', ''))} | {_cell(KNOWN_FAILURES.get(n, ''))} |"
+                  for n, r in bad]
         lines.append("")
     accel = [(n, d, r) for n, o in cov["ops"].items() for d, r in o.get("accel_dtypes", {}).items()]
     if accel:
