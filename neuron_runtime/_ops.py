@@ -22,8 +22,8 @@ TENSOR = "tensor"          # Tensor: metadata in the key, memory passed to the e
 OPT_TENSOR = "tensor?"     # Tensor?
 TENSORS = "tensors"        # Tensor[]
 OPT_TENSORS = "tensors?"   # Tensor?[]
-SCALAR = "scalar"          # Scalar / float / complex (and optional): type in the key, value at run time
-SCALARS = "scalars"        # Scalar[] / float[]: types in the key, values at run time
+SCALAR = "scalar"          # Scalar (and Scalar?): type in the key, value at run time
+SCALARS = "scalars"        # Scalar[]: types in the key, values at run time
 VALUE = "value"            # everything structural (ints, bools, dims, dtypes, strings): value in the key
 GENERATOR = "generator"
 OTHER = "other"            # Storage, Stream, ... never compiled
@@ -144,9 +144,13 @@ def _arg_kind(a: Any) -> str:
         return OTHER
     if a.name in STRUCTURAL_FLOATS:
         return VALUE
-    if t in ("number", "float", "complex", "Optional[number]", "Optional[float]", "Optional[complex]"):
+    # Only `Scalar` arguments are run-time inputs: they carry what changes every step (alphas, learning
+    # rates and bias corrections of the foreach optimizers). Arguments the schema types `float` (eps,
+    # momentum, dropout p, attention scale) are hyperparameters, keyed by value: a compiler cannot take
+    # them as inputs (AOTInductor rejects a symbolic float there), and they stay constant across steps.
+    if t in ("number", "Optional[number]"):
         return SCALAR
-    if t in ("List[number]", "List[float]", "Optional[List[float]]"):
+    if t == "List[number]":
         return SCALARS
     return VALUE
 
