@@ -12,7 +12,8 @@ Tensors enter by dtype, sizes and strides. Not keyed, on purpose:
     computes; keying them would only multiply compiles.
   * aliasing between inputs: executables are functional (fresh outputs; in-place ops copy back after),
     so inputs that share memory compute the same result as copies would.
-Run-time scalars (Scalar, float, complex) are keyed by type; their values are fed to the executable.
+Run-time scalars (arguments the schema types `Scalar`) are keyed by type; their values are fed to the
+executable. Arguments typed `float` (eps, momentum, dropout p) are hyperparameters, keyed by value.
 """
 
 from __future__ import annotations
