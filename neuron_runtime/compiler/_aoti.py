@@ -1,14 +1,16 @@
 """The `aoti` tier: one AOTInductor `.pt2` package (a real `.so`) per op signature.
 
-compile(signature):
-  1. Build the op's call from the signature (`_reference.build_call`); run-time scalars become 0-d
-     float64/int64 tensor inputs read with `.item()` inside the traced function, so a new learning rate or
-     alpha is a new input value, never a new compile.
+compile(signature), on the tier's own thread, one at a time:
+  1. Build the op's call from the signature (`_reference.build_call`; foreach ops Inductor cannot lower
+     become a loop over the per-tensor op). Run-time scalars become 0-d float64/int64 tensor inputs read
+     with `.item()` inside the traced function, so a new learning rate or alpha is a new input value,
+     never a new compile; scalars the schema types `float` (not `Scalar`) cannot be, and are refused.
   2. `torch.export` it with example inputs of the signature's exact dtypes, sizes and strides.
   3. Refuse what an executable cannot be: outputs whose shape depends on data, non-tensor outputs.
   4. AOTInductor-compile it under the pinned target (`_toolchain.pins`) in a private scratch directory.
   5. Package it as a `.pt2` zip in memory, keep only the allow-listed files (the `.so` and JSON metadata:
      no pickle, no sources), and add `extra/neuron_runtime.json` (format, fingerprint, signature).
+  6. Load and run it once against eager on example values; refuse it if it cannot run or disagrees.
 load(bytes):
   checks the fingerprint stored in the artifact against this host, hands the `.so` to AOTInductor's C++
   container runner (dlopen, no compiler involved) and returns a function that calls the runner's
