@@ -154,8 +154,11 @@ def test_refuses_what_it_cannot_compile(aoti_compiler: AotiCompiler) -> None:
     _, sig = signature_of("aten::add.Tensor", torch.randn(4), torch.randn(4), 1j)
     with pytest.raises(CompileRefused, match="complex"):
         aoti_compiler.compile(sig)
-    # eps is a schema `float`, not a `Scalar`: it cannot be a run-time input, and baking it would be wrong.
+    # eps is a schema `float`, not a `Scalar`: the signature keys it by value. Were it keyed by type, it
+    # could be neither a run-time input (export rejects a symbolic float there) nor baked in: refused.
     _, sig = signature_of("aten::native_layer_norm", torch.randn(4, 8), [8], torch.randn(8), torch.randn(8), 1e-5)
+    assert [a for a in sig["args"] if a[0] == "eps"] == [["eps", "value", 1e-5]]
+    sig["args"] = [["eps", "scalar", "float"] if a[0] == "eps" else a for a in sig["args"]]
     with pytest.raises(CompileRefused, match="eps"):
         aoti_compiler.compile(sig)
 
