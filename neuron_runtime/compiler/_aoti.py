@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 import zipfile
@@ -64,8 +65,19 @@ _UNDEFINED_VALUES = {
 }
 
 # Inductor's configuration and scratch paths are process globals: one compile at a time per process, on a
-# thread with torch's default thread-local state (see `AotiCompiler.compile`).
-_WORKER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuron-aoti-compile")
+# thread with torch's default thread-local state (see `AotiCompiler.compile`). Made per process: a forked
+# child inherits the executor but not its thread, and would wait forever on a queued compile.
+_WORKER: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _worker() -> concurrent.futures.ThreadPoolExecutor:
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None or _WORKER[0] != os.getpid():
+            _WORKER = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="neuron-aoti-compile"))
+        return _WORKER[1]
 
 
 class ArtifactMismatch(RuntimeError):
@@ -106,7 +118,7 @@ class AotiCompiler(Compiler):
         caller is usually inside a `neuron` kernel, under whatever thread-local state the user's code set
         (inference mode, autocast, a default device, dispatch keys excluded below autograd); a thread of
         our own exports and checks the op under torch's defaults instead."""
-        return _WORKER.submit(self._compile, signature).result()
+        return _worker().submit(self._compile, signature).result()
 
     def _compile(self, signature: dict[str, Any]) -> bytes:
         qualname = signature["op"]
