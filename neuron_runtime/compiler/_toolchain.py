@@ -138,6 +138,17 @@ def _inductor_config_hash(pinned: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _vector_isa(pinned: dict[str, Any]) -> str:
+    """The vector ISA Inductor generates code for under the pins (cpuinfo only: the probe is off). With a
+    pinned width this is the same on every host of a level, except where Inductor prefers a wider variant
+    (AMX over AVX-512 for 512 bits): then it differs, and artifacts never cross between those hosts."""
+    import torch._inductor.config as iconfig
+    from torch._inductor import cpu_vec_isa
+
+    with iconfig.patch(pinned):
+        return str(cpu_vec_isa.pick_vec_isa())
+
+
 @functools.cache
 def fingerprint(tier: str, format_version: int, march: str, simdlen: int | None) -> dict[str, Any]:
     """Everything that decides whether an artifact compiled elsewhere runs correctly here (once per
@@ -147,7 +158,7 @@ def fingerprint(tier: str, format_version: int, march: str, simdlen: int | None)
     return {
         "tier": tier,
         "format": format_version,
-        "target": {"march": march, "simdlen": simdlen},
+        "target": {"march": march, "simdlen": simdlen, "vec_isa": _vector_isa(pinned)},
         "torch": torch.__version__,
         "torch_git": torch.version.git_version,
         "inductor_config": _inductor_config_hash(pinned),

@@ -118,7 +118,7 @@ def test_artifact_is_a_clean_pt2(compiled: dict[str, Compiled], aoti_compiler: A
 def test_fingerprint_pins_the_target(aoti_compiler: AotiCompiler) -> None:
     fp = aoti_compiler.fingerprint()
     assert aoti_compiler.fingerprint() is fp  # computed once per process
-    assert fp["tier"] == "aoti" and fp["target"] == {"march": "x86-64-v3", "simdlen": 256}
+    assert fp["tier"] == "aoti" and fp["target"] == {"march": "x86-64-v3", "simdlen": 256, "vec_isa": "avx2"}
     assert fp["pins"]["cpp.march"] == "x86-64-v3" and "native" not in json.dumps(fp)
     assert fp["torch"] == torch.__version__ and fp["torch_git"] and fp["cxx"]["version"]
     for key in ("inductor_config", "machine", "libc", "python"):
