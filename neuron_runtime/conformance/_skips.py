@@ -70,7 +70,7 @@ _CONJ = ("neuron tensors with the conjugate or negative bit (x.conj() on complex
          "views (_dispatch.alias/alias_slow, via DLPack) drop the bit and the in-process key does not hold it, so "
          "clone/copy of one gives unconjugated values, and materializing one from C++ recurses through "
          "empty_strided until SIGSEGV; owner: dispatch")
-# Ops that do not match CPU yet, and why. A test here fails once the op matches: then delete the entry.
+# Ops that do not match CPU yet, and why (tests/conformance expects them to fail; delete an entry once fixed).
 KNOWN_FAILURES: dict[str, str] = {
     "polar": _CONJ + " - its backward conjugates the gradient",
     "fft.hfft": _CONJ,
