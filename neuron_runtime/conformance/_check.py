@@ -379,6 +379,8 @@ def check_accel_dtype(op: Any, dtype: torch.dtype, k: int = 1, log: _HostLog | N
     """An accelerator-only dtype (CUDA accepts it, the host CPU kernel may not): neuron must still give the
     right answer. The reference is CPU computed in float32 (complex64 for complex32) and cast back."""
     log = log or _HostLog()
+    log.host.clear()
+    log.fallback.clear()
     up = torch.complex64 if dtype == torch.complex32 else torch.float32
     res = Result("compiled", dtype=str(dtype).removeprefix("torch."))
     t0 = time.monotonic()
@@ -399,6 +401,9 @@ def check_accel_dtype(op: Any, dtype: torch.dtype, k: int = 1, log: _HostLog | N
     except Exception as e:  # noqa: BLE001
         res.status, res.reason = "error", _short(e)
     res.seconds = time.monotonic() - t0
+    if res.status == "compiled" and (log.host or log.fallback):
+        res.status = "fallback"
+        res.reason = "ran on the host: " + ", ".join(sorted({*log.host, *log.fallback}))
     return res
 
 
