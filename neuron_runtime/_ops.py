@@ -29,7 +29,8 @@ GENERATOR = "generator"
 OTHER = "other"            # Storage, Stream, ... never compiled
 
 # Float arguments that decide output shapes, so they must be keyed by value, not fed at run time.
-STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_d"}
+STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_d",
+                     "ord"}  # ord: a norm's kind (export cannot trace a data-dependent choice of algorithm)
 
 # Ops with a kernel of their own (see _special.py); the reason is why the generic path cannot serve them.
 SPECIAL = {

@@ -150,7 +150,7 @@ class AotiCompiler(Compiler):
         for w in caught:
             log.debug("aoti: while compiling %s: %s", qualname, w.message)
         meta = {"format": ARTIFACT_FORMAT, "fingerprint": fp, "signature": signature,
-                "n_tensors": n_tensors, "scalar_types": scalar_types}
+                "n_tensors": n_tensors, "scalar_types": scalar_types, "wrapped": wrapped_slots(signature)}
         payload = _repackage(qualname, raw, meta, str(scratch.tmp))
         self._self_check(qualname, payload, run, n_tensors, scalar_types, signature)
         log.info("aoti: compiled %s (export %.1fs, compile %.1fs, %d bytes)", qualname, t1 - t0, t2 - t1,
@@ -165,6 +165,8 @@ class AotiCompiler(Compiler):
         at load) or returns other shapes, dtypes or strides than the op, before anything is cached."""
         inputs, _ = _example_inputs(signature, values=True)
         tensors, scalars = inputs[:n_tensors], [0.5 if t == "float" else 2 for t in scalar_types]
+        for i, _dtype in wrapped_slots(signature):
+            tensors[i] = tensors[i].item()  # the dispatcher passes these as Python numbers
         try:
             got = self.load(payload)(tensors, scalars)
         except Exception as e:  # noqa: BLE001 - an artifact that cannot run is refused, never cached
@@ -177,7 +179,7 @@ class AotiCompiler(Compiler):
             return
         if len(got) != len(want):
             raise CompileRefused(f"{qualname}: compiled artifact returns {len(got)} outputs, the op {len(want)}")
-        held = {t.untyped_storage().data_ptr() for t in tensors}
+        held = {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
         for i, (g, w) in enumerate(zip(got, want)):
             if g.numel() and g.untyped_storage().data_ptr() in held:
                 raise CompileRefused(f"{qualname}: compiled artifact returns an input's memory as output {i}")
@@ -209,7 +211,8 @@ class AotiCompiler(Compiler):
         except _toolchain.ToolchainError as e:
             raise ArtifactMismatch(f"{meta['signature']['op']}: {e}") from e
         loader = _load_package(members, self.scratch())
-        return _make_executable(loader, meta["signature"]["op"], meta["scalar_types"])
+        return _make_executable(loader, meta["signature"]["op"], meta["scalar_types"],
+                                [(int(i), str(d)) for i, d in meta.get("wrapped", [])])
 
 
 # -- compile steps ----------------------------------------------------------------------------------
@@ -275,9 +278,13 @@ def _example_inputs(signature: dict[str, Any], values: bool = False) -> tuple[li
     tensors hold zeros, which are valid indices for any op that takes indices."""
     tensors: list[torch.Tensor] = []
     scalar_types: list[str] = []
+    wrapped = dict(wrapped_slots(signature))
     for name, kind, desc in signature["args"]:
         if kind in (_ops.TENSOR, _ops.OPT_TENSOR):
-            if desc is not None:
+            if _signature.is_wrapped(desc):
+                dtype = _WRAPPED_DTYPES[wrapped[len(tensors)]]
+                tensors.append(torch.tensor(_EXAMPLE_NUMBERS[desc["wrapped"]], dtype=dtype))
+            elif desc is not None:
                 tensors.append(_example_tensor(desc, values))
         elif kind in (_ops.TENSORS, _ops.OPT_TENSORS):
             tensors.extend(_example_tensor(d, values) for d in desc if d is not None)
@@ -292,6 +299,39 @@ def _example_inputs(signature: dict[str, Any], values: bool = False) -> tuple[li
             _check_value(signature["op"], name, _signature.decode_value(desc))
     scalars = [torch.tensor(0.5 if t == "float" else 2, dtype=_SCALAR_DTYPES[t]) for t in scalar_types]
     return tensors + scalars, scalar_types
+
+
+_EXAMPLE_NUMBERS = {"float": 0.5, "int": 2, "bool": True}
+_WRAPPED_DTYPES = {"float64": torch.float64, "float32": torch.float32, "int64": torch.int64, "bool": torch.bool}
+
+
+def wrapped_slots(signature: dict[str, Any]) -> list[tuple[int, str]]:
+    """(position in the tensor list, dtype) of each Python number in a Tensor slot (`x * 2`).
+
+    The executable takes it as a 0-d tensor whose dtype reproduces a wrapped number's type promotion: an
+    int as int64 and a bool as bool (a 0-d tensor never wins over a dimensioned one of its category); a
+    float as float64 when a floating tensor is among the inputs (the value is then cast to that tensor's
+    dtype, as eager does), else as the default dtype (an int tensor times 2.5 gives float32, not float64)."""
+    slots: list[tuple[int, str]] = []
+    position = 0
+    has_float = False
+    for _, kind, desc in signature["args"]:
+        descs = [desc] if kind in (_ops.TENSOR, _ops.OPT_TENSOR) else \
+            list(desc) if kind in (_ops.TENSORS, _ops.OPT_TENSORS) else []
+        for d in descs:
+            if d is None:
+                continue
+            if _signature.is_wrapped(d):
+                t = d["wrapped"]
+                if t not in _EXAMPLE_NUMBERS:
+                    raise CompileRefused(f"{signature['op']}: a {t} number in a tensor slot is not compiled")
+                slots.append((position, t))
+            elif _signature.decode_dtype(d["dtype"]).is_floating_point:
+                has_float = True
+            position += 1
+    default = str(torch.get_default_dtype()).removeprefix("torch.")
+    return [(i, "int64" if t == "int" else "bool" if t == "bool" else "float64" if has_float else default)
+            for i, t in slots]
 
 
 def _check_scalar_schema(qualname: str, op: Any, signature: dict[str, Any]) -> None:
@@ -479,11 +519,29 @@ def _load_package(members: dict[str, bytes | memoryview], scratch: _toolchain.Sc
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _make_executable(loader: Any, qualname: str, scalar_types: Sequence[str]) -> Executable:
+def _make_executable(loader: Any, qualname: str, scalar_types: Sequence[str],
+                     wrapped: Sequence[tuple[int, str]] = ()) -> Executable:
     """`exe(tensors, scalars)` over `loader.run(list)`; generated per arity so a call is one C++ call.
 
     Each scalar slot keeps the 0-d tensor of the last value *object* it saw: `alpha=1` and an unchanged
-    learning rate are the same Python object call after call, so the hit path allocates nothing."""
+    learning rate are the same Python object call after call, so the hit path allocates nothing. Numbers
+    in tensor slots (`wrapped`) become 0-d tensors the same way."""
+    if wrapped:
+        inner = _make_executable(loader, qualname, scalar_types)
+        slots = [(i, _WRAPPED_DTYPES[d]) for i, d in wrapped]
+        seen: list[tuple[Any, torch.Tensor]] = [(object(), torch.empty(0)) for _ in slots]
+
+        def exe_wrapped(tensors: Sequence[Any], scalars: Sequence[Any]) -> list[torch.Tensor]:
+            ts = list(tensors)
+            for k, (i, dtype) in enumerate(slots):
+                v, held = ts[i], seen[k]
+                if held[0] is not v:
+                    held = (v, torch.tensor(v, dtype=dtype))
+                    seen[k] = held  # one store: a racing thread sees a consistent pair
+                ts[i] = held[1]
+            return inner(ts, scalars)
+        exe_wrapped.loader = loader  # type: ignore[attr-defined]
+        return exe_wrapped
     run = loader.run
     if not scalar_types:
         def exe(tensors: Sequence[torch.Tensor], scalars: Sequence[Any]) -> list[torch.Tensor]:

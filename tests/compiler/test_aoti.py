@@ -51,6 +51,8 @@ def compiled(device_run: subprocess.Popen[str], aoti_compiler: AotiCompiler) -> 
         "mm": Compiled(aoti_compiler, "aten::mm", torch.randn(16, 8), torch.randn(8, 4)),
         "foreach": Compiled(aoti_compiler, "aten::_foreach_add.ScalarList", xs, [0.5, -2.0]),
         "sum": Compiled(aoti_compiler, "aten::sum.dim_IntList", torch.randn(6, 10), [1], False, None),
+        # an int tensor times a Python float (a wrapped number: `i * 2.5`)
+        "wrapped": Compiled(aoti_compiler, "aten::mul.Tensor", torch.arange(6), 2.5),
     }
 
 
@@ -89,6 +91,15 @@ def test_scalars_are_run_time_inputs(compiled: dict[str, Compiled]) -> None:
         got, _ = run_both(compiled["foreach"], xs, lrs)
         for g, x, lr in zip(got, xs, lrs):
             torch.testing.assert_close(g, x + lr)
+
+
+def test_wrapped_numbers_keep_eager_type_promotion(compiled: dict[str, Compiled]) -> None:
+    """`int_tensor * 2.5` is float32 in eager (not float64), and the number is a run-time input."""
+    i = torch.arange(6)
+    for v in (2.5, -0.125):
+        got, want = run_both(compiled["wrapped"], i, v)
+        assert got[0].dtype == want[0].dtype == torch.float32
+        torch.testing.assert_close(got[0], i * v)
 
 
 def test_misaligned_offset_inputs(compiled: dict[str, Compiled]) -> None:
