@@ -355,7 +355,7 @@ class Runtime:
                 return None if outs[0] is None else wrap(outs[0])
             return tuple(None if o is None else wrap(o) for o in outs)
         names = [a.name for a in info.args]
-        for name, out in zip(info.mutable, outs):
+        for name, out in zip(info.mutable, regroup(info, values, outs)):
             i = names.index(name)
             target, host = values[i], host_values[i]
             if isinstance(target, (list, tuple)):
@@ -441,6 +441,40 @@ def rewrap(out: Any, values: tuple[Any, ...], host_values: tuple[Any, ...], to_c
     if isinstance(out, (list, tuple)):
         return type(out)(rewrap(o, values, host_values, to_cpu_result) for o in out)
     return out
+
+
+def regroup(info: _ops.OpInfo, values: tuple[Any, ...], outs: list[Any]) -> list[Any]:
+    """A mutating op's functional results, one entry per mutated argument.
+
+    A single `Tensor[]` return comes back as the list itself (`_foreach_add_`); several `Tensor[]`
+    returns (`_fused_adamw_`) may come back flat, and are split by the lengths of the mutated lists."""
+    f = info.functional or info
+    if f.returns_list:
+        return [outs]
+    names = [a.name for a in info.args]
+    lists = [values[names.index(m)] for m in info.mutable]
+    if not any(isinstance(v, (list, tuple)) for v in lists) or not outs or \
+            not isinstance(outs[0], torch.Tensor) or len(outs) == len(lists):
+        return outs
+    grouped, i = [], 0
+    for v in lists:
+        n = len(v) if isinstance(v, (list, tuple)) else 1
+        grouped.append(outs[i:i + n] if isinstance(v, (list, tuple)) else outs[i])
+        i += n
+    return grouped
+
+
+def _copy_back_all(info: _ops.OpInfo, values: tuple[Any, ...], outs: list[Any]) -> None:
+    """The hit path's copy-back for ops that mutate lists of tensors."""
+    names = [a.name for a in info.args]
+    for name, out in zip(info.mutable, regroup(info, values, outs)):
+        target = values[names.index(name)]
+        if isinstance(target, (list, tuple)):
+            dst = [alias(t) for t in target]
+            if dst:
+                torch._foreach_copy_(dst, list(out))
+        else:
+            _copy_back_out(target, out)
 
 
 def copy_back(target: torch.Tensor, host: torch.Tensor, result: torch.Tensor, info: _ops.OpInfo) -> None:
@@ -601,14 +635,16 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     lines.append("    except Exception:")
     lines.append(f"        return _zRT().slow_call(_zINFO, {{}}, _zkey, {values})")
     lines.append("    _zN[0] += 1")
-    if info.kind == "mutating":
+    if info.kind == "mutating" and any(a.kind in (_ops.TENSORS, _ops.OPT_TENSORS) for a in info.args
+                                       if a.name in info.mutable):
+        lines.append(f"    _zCBA(_zINFO, {values}, _zouts)")  # lists of tensors mutated (foreach, fused)
+    elif info.kind == "mutating":
         for i, m in enumerate(info.mutable):
             if m in mutated and mutated[m].startswith("_zc"):
                 lines.append(f"    {mutated[m]}.copy_(_zouts[{i}])")
-            elif m in mutated:
-                lines.append(f"    _zFC({mutated[m]}, _zouts[{i}])")
             else:  # out= argument: may need a resize
                 lines.append(f"    _zCB({m}, _zouts[{i}])")
+    if info.kind == "mutating":
         rets = info.returns_args
         if info.n_returns == 0:
             lines.append("    return None")
@@ -627,19 +663,14 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     _EXES[info.qualname] = (info, exes)
     scope: dict[str, Any] = {
         "_zDF": defaults, "_zAG": _alias_get, "_zAS": alias_slow, "_zAL": alias, "_zEG": exes.get,
-        "_zEXES": exes, "_zRT": runtime, "_zINFO": info, "_zW": wrap, "_zN": FAST, "_zFC": _foreach_copy,
-        "_zCB": _copy_back_out, "_zNUM": NUMBERS,
+        "_zEXES": exes, "_zRT": runtime, "_zINFO": info, "_zW": wrap, "_zN": FAST,
+        "_zCB": _copy_back_out, "_zCBA": _copy_back_all, "_zNUM": NUMBERS,
         "_zPENDING": _fusion.PENDING, "_zFLUSH": _fusion.flush, "_zSUBMIT": _fusion.submit,
     }
     exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
     kernel: Callable[..., Any] = scope["kernel"]
     kernel.__neuron_source__ = src  # type: ignore[attr-defined]
     return kernel
-
-
-def _foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    if dst:  # an empty list is legal (e.g. AdamW's max_exp_avg_sqs without amsgrad)
-        torch._foreach_copy_(dst, src)
 
 
 def _copy_back_out(target: torch.Tensor, result: torch.Tensor) -> None:

@@ -269,6 +269,10 @@ def classify(qualname: str, special: bool = True) -> OpInfo:
 
 
 def cpu_ops() -> list[str]:
-    """Every aten op with a CPU kernel: each gets a PrivateUse1 kernel."""
+    """Every aten op with a CPU kernel, plus the `_foreach_*` ops: each gets a PrivateUse1 kernel.
+
+    The foreach ops have no CPU kernel (CPU runs their composite, which loops over per-tensor ops); on
+    our device that loop would pay a dispatch per tensor, so they get one kernel (one executable) each."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::") and has(n, "CPU"))
+    return sorted(n for n in torch._C._dispatch_get_all_op_names()
+                  if n.startswith("aten::") and (has(n, "CPU") or n.startswith("aten::_foreach_")))
