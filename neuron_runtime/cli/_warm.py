@@ -13,6 +13,8 @@ compile:
   3. Compile the rest in N worker processes (`_worker.py`, JSON lines over pipes), each writing through
      the runtime's own `TieredCache`; a worker that dies or runs past --timeout costs only its current
      signature (reported with the reason) and is replaced.
+  4. Confirm the fleet store holds every entry (a skipped fleet write is only a warning to the
+     runtime, but a failure of a warm-up); push what is missing again, then report what still is.
 """
 
 from __future__ import annotations
@@ -231,19 +233,37 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
 
     compiled = refused = failed = 0
     failures: list[dict[str, Any]] = []
+    done: dict[str, tuple[_record.ManifestLine, str]] = {}  # key -> (line, "compiled" | "present")
+    for rec, key in keyed:
+        done[key] = (rec, "present")
     for i, (rec, key) in enumerate(todo):
         r = results.get(i, {"status": "failed", "reason": "not attempted (interrupted)"})
         status = r.get("status", "failed")
         if status == "compiled":
             compiled += 1
+            done[key] = (rec, "compiled")
         elif status == "present":
             present += 1  # another host or process compiled it meanwhile
         else:
+            done.pop(key, None)
             refused += status == "refused"
             failed += status != "refused"
             assert rec.signature is not None
             failures.append({"line": rec.line, "op": rec.signature["op"], "key": r.get("key", key),
                              "status": status, "reason": r.get("reason", "")})
+
+    # 4. The fleet store must really hold every entry: a write the workers' fleet tier skipped (a timeout,
+    #    an open circuit breaker) leaves a local-only entry that strict consumers elsewhere would miss.
+    if cfg.cache_dir and done:
+        for key in _confirm_fleet(cfg, list(done)):
+            rec, was = done[key]
+            assert rec.signature is not None
+            compiled -= was == "compiled"
+            present -= was == "present"
+            failed += 1
+            failures.append({"line": rec.line, "op": rec.signature["op"], "key": key, "status": "failed",
+                             "reason": f"not in the fleet store {cfg.cache_dir} after retries (its writes were "
+                                       "skipped: timeouts or an open circuit breaker; see the warnings above)"})
     return {
         "manifest": manifest,
         "tier": cfg.compiler,
@@ -275,6 +295,28 @@ def _push(local: Any, fleet: Any, key: str, cfg: _config.Config) -> bool:
         log.warning("local entry %s does not verify (%s); recompiling it", key, e)
         return False
     return bool(fleet.put(key, data))
+
+
+def _confirm_fleet(cfg: _config.Config, keys: list[str], attempts: int = 3) -> list[str]:
+    """The keys the fleet store still lacks after pushing them from the local tier, with a pause between
+    attempts long enough for a store's circuit breaker to close again."""
+    missing = keys
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(min(30.0, max(1.0, 3 * cfg.fleet_timeout_s)))
+        local, fleet = _common.open_local(cfg), _common.open_fleet(cfg)
+        assert fleet is not None
+        try:
+            have = fleet.contains_many(missing)
+            missing = [k for k in missing if k not in have and not _push(local, fleet, k, cfg)]
+        finally:
+            local.close()
+            fleet.close()
+        if not missing:
+            break
+        log.warning("%d entr%s not yet in the fleet store %s; retrying", len(missing),
+                    "y" if len(missing) == 1 else "ies", cfg.cache_dir)
+    return missing
 
 
 class _Pool:

@@ -152,3 +152,17 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert r.returncode == 2 and "TORCH_NEURONX_RECORD_FILE" in r.stderr
     assert main(["warm", "--local-dir", str(tmp_path), "--", str(tmp_path / "no-such-program")]) == 1
     assert "cannot start" in capsys.readouterr().err
+
+
+def test_entries_the_fleet_store_did_not_take_are_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet write the runtime skips is only a warning there; for a warm-up it is a failure, named."""
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("\n".join(json.dumps(s) for s in SIGNATURES[:2]) + "\n")
+    not_a_dir = tmp_path / "fleet-is-a-file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("TORCH_NEURONX_FLEET_TIMEOUT", "0.2")  # short pauses between push attempts
+    rc, s, _ = _in_process(capsys, ["compile", str(manifest), "--tier", "reference", "--jobs", "1", "--json",
+                                    "--local-dir", str(tmp_path / "local"), "--to", str(not_a_dir), "--no-progress"])
+    assert rc == 1 and s["failed"] == 2 and s["compiled"] == 0
+    assert all("not in the fleet store" in f["reason"] for f in s["failures"])
