@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import _config, _ops, _signature
+from . import _config, _entries, _ops, _signature
 from .cache import CacheMissError, IntegrityError, TieredCache
 from ._hostmem import to_cpu, to_neuron
 from .compiler import CompileRefused, Compiler, Executable, get_compiler
@@ -164,6 +164,11 @@ class Runtime:
 
         self.fusion = fusion.install(self)  # None unless TORCH_NEURONX_ENABLE_CONCATENATION=1
 
+    def set_compiler(self, compiler: Compiler) -> None:
+        """Use another compiler tier (its fingerprint keys everything from now on)."""
+        self.compiler = compiler
+        self.fingerprint = compiler.fingerprint()
+
     # -- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         with self.lock:
@@ -244,13 +249,13 @@ class Runtime:
 
         def compile_entry() -> bytes:
             log.info("compiling %s", sig["op"])
-            return cache.pack(digest, {"signature": sig, "fingerprint": self.fingerprint},
-                              self.compiler.compile(sig))
+            return _entries.build_entry(cache, self.compiler, digest, sig, self.fingerprint)
 
         try:
             entry, where = cache.get_or_compile(digest, compile_entry)
         except CacheMissError as e:
             raise CacheMissError(digest, self._strict_message(digest, sig)) from e
+        _entries.check(entry)  # a cached refusal: the op runs on the host without asking the compiler
         try:
             exe = self.compiler.load(entry.payload)
         except CompileRefused:
@@ -269,7 +274,9 @@ class Runtime:
             data = compile_entry()
             self._count("compiles")
             cache.put(digest, data)
-            exe = self.compiler.load(cache._verify(digest, data).payload)
+            fresh = cache.verify(digest, data)
+            _entries.check(fresh)
+            exe = self.compiler.load(fresh.payload)
         self._count("loads")
         return exe
 

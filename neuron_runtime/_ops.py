@@ -32,6 +32,11 @@ OTHER = "other"            # Storage, Stream, ... never compiled
 STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_d",
                      "ord"}  # ord: a norm's kind (export cannot trace a data-dependent choice of algorithm)
 
+# Matmul-class ops whose Scalar arguments (beta, alpha) are keyed by value, not fed at run time: compilers
+# specialise their epilogue on them (beta == 0 must ignore `self`; AOTInductor cannot guard on a run-time
+# value there), and models pass constants (nn.Linear: 1 and 1).
+STRUCTURAL_SCALAR_OPS = {"addmm", "addmv", "addbmm", "baddbmm", "addr", "_addmm_activation"}
+
 # Ops with a kernel of their own (see _special.py); the reason is why the generic path cannot serve them.
 SPECIAL = {
     "aten::empty.memory_format": "allocates host memory for a neuron tensor",
@@ -232,6 +237,10 @@ def classify(qualname: str, special: bool = True) -> OpInfo:
             str(a.type).startswith("Optional["))
         for a in schema.arguments
     ]
+    if qualname.removeprefix("aten::").partition(".")[0].rstrip("_") in STRUCTURAL_SCALAR_OPS:
+        for arg in args:
+            if arg.kind == SCALAR:
+                arg.kind = VALUE
     n_ret, ret_list, all_tensors = _returns(schema)
     info = OpInfo(qualname, op, args, "compute", n_returns=n_ret, returns_list=ret_list)
     mutable = [a for a in schema.arguments if a.alias_info and a.alias_info.is_write]

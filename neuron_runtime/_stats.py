@@ -7,7 +7,6 @@ import json
 import os
 import tempfile
 
-from . import _config
 
 _installed = False
 
@@ -25,11 +24,15 @@ def write(path: str) -> None:
 
 
 def _at_exit() -> None:
-    path = _config.get().stats_file
+    from . import _dispatch
+
+    if _dispatch._runtime is None:
+        return  # nothing ran on the device (e.g. a tool that only imported torch): no counters to write
+    path = _dispatch._runtime.cfg.stats_file
     if path:
         try:
             write(path)
-        except OSError as e:  # never turn a finished job into a failure
+        except Exception as e:  # noqa: BLE001 - never turn a finished job into a failure
             import warnings
 
             warnings.warn(f"TORCH_NEURONX_STATS_FILE: cannot write {path}: {e}", stacklevel=1)

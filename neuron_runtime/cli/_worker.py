@@ -30,7 +30,7 @@ def _protocol_stream() -> IO[str]:
 
 def main() -> int:
     proto = _protocol_stream()
-    from neuron_runtime import _config, _signature
+    from neuron_runtime import _config, _entries, _signature
     from neuron_runtime.cache import TieredCache
     from neuron_runtime.cli._warm import make_compiler
     from neuron_runtime.compiler import CompileRefused
@@ -51,10 +51,10 @@ def main() -> int:
             answer["key"] = key
 
             def compile_entry(sig: dict[str, Any] = sig, key: str = key) -> bytes:
-                return cache.pack(key, {"signature": sig, "fingerprint": fp, "producer": producer},
-                                  compiler.compile(sig))
+                return _entries.build_entry(cache, compiler, key, sig, fp, producer)
 
-            _, where = cache.get_or_compile(key, compile_entry)
+            entry, where = cache.get_or_compile(key, compile_entry)
+            _entries.check(entry)  # a refusal is cached too (strict consumers then run the op on the host)
             answer["status"] = "compiled" if where == "compiled" else "present"
         except CompileRefused as e:
             answer.update(status="refused", reason=str(e))

@@ -22,6 +22,9 @@ class RefusingCompiler(ReferenceCompiler):
     def __init__(self, refuse: set[str]) -> None:
         self.refuse = refuse
 
+    def fingerprint(self) -> dict[str, Any]:  # its own keys: refusals cached by it stay its own
+        return {**super().fingerprint(), "test": "refusing " + ",".join(sorted(self.refuse))}
+
     def compile(self, signature: dict[str, Any]) -> bytes:
         if signature["op"] in self.refuse:
             raise CompileRefused(f"{signature['op']} is not supported by this compiler")
@@ -30,6 +33,9 @@ class RefusingCompiler(ReferenceCompiler):
 
 class BrokenCompiler(ReferenceCompiler):
     """Artifacts whose executable raises (a miscompiled executable)."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "test": "broken"}
 
     def load(self, payload: bytes):  # type: ignore[no-untyped-def]
         def broken(tensors, scalars):  # type: ignore[no-untyped-def]
@@ -116,7 +122,7 @@ def test_signature_json_is_canonical_and_typed() -> None:
 
 
 def test_fallback_warns_once_per_op_and_lists_it(fresh_runtime: _dispatch.Runtime) -> None:
-    fresh_runtime.compiler = RefusingCompiler({"aten::mul.Tensor"})
+    fresh_runtime.set_compiler(RefusingCompiler({"aten::mul.Tensor"}))
     a, b = torch.randn(3), torch.randn(3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -134,13 +140,13 @@ def test_fallback_off_raises_with_op_and_signature(fresh_runtime: _dispatch.Runt
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_NEURONX_FALLBACK", "0")
     rt = _dispatch.reset_runtime()
-    rt.compiler = BrokenCompiler()
+    rt.set_compiler(BrokenCompiler())
     with pytest.raises(_dispatch.FallbackDisabledError, match=r"aten::sub\.Tensor.*signature.*float32"):
         torch.sub(torch.randn(3, device=DEV), 1.0)
 
 
 def test_broken_executable_falls_back_with_correct_results(fresh_runtime: _dispatch.Runtime) -> None:
-    fresh_runtime.compiler = BrokenCompiler()
+    fresh_runtime.set_compiler(BrokenCompiler())
     a = torch.randn(5)
     with pytest.warns(UserWarning, match="executable failed"):
         r = torch.sin(a.to(DEV))
@@ -214,6 +220,32 @@ def test_memory_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
             assert_same(torch.ones(n) * 2 + 1, x * 2 + 1)
         assert len(rt.by_digest) <= 8
         assert sum(len(e) for _, e in _dispatch._EXES.values()) <= 8
+    finally:
+        monkeypatch.undo()
+        _dispatch.reset_runtime()
+
+
+def test_refusals_are_cached_and_strict_mode_runs_them_on_the_host(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "cache"))
+    rt = _dispatch.reset_runtime()
+    try:
+        rt.set_compiler(RefusingCompiler({"aten::atan2"}))
+        a, b = torch.randn(4), torch.randn(4)
+        with pytest.warns(UserWarning, match="atan2 runs on the host"):
+            assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))
+        assert neuron_runtime.stats()["compiles"] == 1
+
+        class NoCompiles(RefusingCompiler):  # same fingerprint, so the same keys
+            def compile(self, signature):  # type: ignore[no-untyped-def]
+                raise AssertionError(f"compiled {signature['op']} in strict mode")
+
+        monkeypatch.setenv("TORCH_NEURONX_CACHE_MODE", "strict")
+        rt = _dispatch.reset_runtime()
+        rt.set_compiler(NoCompiles({"aten::atan2"}))
+        with pytest.warns(UserWarning, match="atan2 runs on the host"):
+            assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))
+        assert neuron_runtime.stats()["compiles"] == 0 and neuron_runtime.stats()["hits"]["local"] == 1
     finally:
         monkeypatch.undo()
         _dispatch.reset_runtime()
