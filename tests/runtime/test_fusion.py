@@ -40,7 +40,7 @@ def test_every_flush_trigger(tmp_path: Path) -> None:
     r = out["reasons"]
     assert out["ok"]
     assert r["item"] == "op:aten::sum" or r["item"].startswith("op:aten::sum")
-    assert r["cpu"] == "op:aten::_copy_from"
+    assert r["cpu"] == "op:aten::_to_copy"
     assert r["print"].startswith("op:")
     assert r["bool"].startswith("op:")
     assert r["view"] == "op:aten::view"
