@@ -81,10 +81,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "fft.ihfftn": _CONJ,
     "linalg.eigvals": _CONJ,
     "linalg.eig": _CONJ + " - the backward's gauge check sees wrong values and raises",
-    "to": ("x.to('cpu', non_blocking=True) from neuron: _to_copy's composite kernel allocates pinned memory, and "
-           "the device registers no PrivateUse1HooksInterface.getPinnedMemoryAllocator (NotImplementedError); "
-           "owner: device (a PrivateUse1 `_to_copy` kernel that redispatches with non_blocking=False fixes it, "
-           "but changes which op flushes the fusion buffer in tests/runtime/test_fusion.py)"),
 }
 
 # Accelerator-only dtypes: accepted by CUDA kernels, possibly not by the host CPU kernel. Filled from the
