@@ -82,6 +82,8 @@ def device_error(t: torch.Tensor) -> RuntimeError:
 def alias_slow(t: torch.Tensor, meta: tuple[Any, ...] | None = None) -> torch.Tensor:
     """The CPU view of `t` when the cached one is missing or stale (or `t` is a CPU scalar)."""
     if t.device.type == DEVICE:
+        if t.is_conj() or t.is_neg():
+            return _alias_with_bits(t)
         # Relabel a fresh alias, not `t` itself: the capsule keeps its source alive, and holding `t`'s own
         # TensorImpl would keep the Python tensor from ever dying (PyTorch preserves the PyObject).
         c = to_cpu(_alias_op(t))
@@ -92,6 +94,20 @@ def alias_slow(t: torch.Tensor, meta: tuple[Any, ...] | None = None) -> torch.Te
     if t.dim() == 0 and t.device.type == "cpu":
         return t  # CPU scalars mix with device tensors, as on CUDA
     raise device_error(t)
+
+
+def _alias_with_bits(t: torch.Tensor) -> torch.Tensor:
+    """The CPU view of a lazily conjugated or negated tensor (`x.conj()`, `x.conj().imag`).
+
+    DLPack carries neither bit: view the raw memory, then set the bits again on the CPU side, so reads
+    and writes through the view see what PyTorch would. Not cached (the key does not hold the bits)."""
+    raw = t.conj() if t.is_conj() else t  # flips the bit off: a view of the stored values
+    if raw.is_neg():
+        raw = raw._neg_view()
+    c = to_cpu(_alias_op(raw))
+    if t.is_neg():
+        c = c._neg_view()
+    return c.conj() if t.is_conj() else c
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:
