@@ -91,6 +91,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 rows.append({"key": key, "tier": tier.name, "size": size, "mtime": mtime,
                              "op": op, "compiler": (h.get("fingerprint") or {}).get("tier"),
                              "created": h.get("created"), "producer": h.get("producer"),
+                             "refused": h.get("refused"),  # a cached compiler refusal (no executable)
                              "readable": header is not None})
     finally:
         _common.close_tiers(tiers)
@@ -102,7 +103,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['key'][:12]:<14}{r['tier']:<7}{_common.human_size(r['size']):>11}"
               f"{_common.human_age(max(0.0, now - r['mtime'])):>8}  {str(r['compiler'] or '?'):<10}"
-              f"{r['op'] or '(unreadable header: run verify)'}")
+              f"{r['op'] or '(unreadable header: run verify)'}" + (" (refused: runs on the host)" if r["refused"] else ""))
     return 0
 
 
