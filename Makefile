@@ -10,8 +10,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 
 # torch==2.13.0 is pinned in pyproject.toml: pip takes the CPU build from this machine's wheel directory.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test]'
+# .ci/constraints.txt pins the whole environment the suite was last run with (torch's +cpu build
+# included): installs are reproducible, and pip never backtracks into a CUDA build of torch while
+# reconciling boto3/botocore/aiobotocore. Regenerate it with `pip freeze` after a deliberate upgrade.
+$(STAMP): pyproject.toml .ci/constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -c .ci/constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
