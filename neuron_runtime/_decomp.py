@@ -7,6 +7,10 @@
   * Ops that mutate arguments and also return fresh tensors (training batch norm: `_native_batch_norm_legit`,
     `_batch_norm_with_update`), which `_ops.classify` can only run on the host: their `*_functional` twin
     compiles, and the new running statistics are copied back.
+  * Factories with out= (`_ops.FACTORY_OUT`: arange/linspace/logspace/eye reach these on every device): the
+    functional factory compiles (its Scalars keyed by value), and its result is copied into `out`.
+  * `equal`: eq(a, b).all() through executables, then one value read back (CUDA computes it the same way);
+    `_local_scalar_dense` (`.item()`): a one-value device-to-host read.
   * Accelerator-only dtypes (`_ops.UPCAST`): CUDA kernels accept float16/bfloat16 where the host CPU kernel
     does not. The inputs are cast to float32, the op runs as usual (compiled), and the outputs are cast back,
     as a device without a native half kernel would compute it.
@@ -20,7 +24,7 @@ from typing import Any
 import torch
 
 from . import _ops
-from ._dispatch import wrap
+from ._dispatch import alias, wrap
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -117,7 +121,44 @@ def _via_functional(qualname: str, functional: str) -> Callable[..., Any]:
     return kernel
 
 
+def _factory_out(functional: str) -> Callable[..., Any]:
+    """`arange.out(end, *, out)` and friends: the functional factory (`arange(end, *, dtype, ...)`) as a
+    compiled op on the host, then `out` resized and filled, as `*.out` does."""
+    cell: list[Callable[..., Any]] = []
+
+    def kernel(*args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if not cell:
+            from . import _dispatch
+
+            info = _ops.classify(f"aten::{functional}", special=False)
+            info.kind, info.reason = "compute", ""  # classify() calls a device factory "host"
+            cell.append(_dispatch._codegen(info))
+        result = alias(cell[0](*args, dtype=out.dtype, **kwargs))
+        from ._dispatch import _copy_back_out
+
+        _copy_back_out(out, result)
+        return out
+
+    return kernel
+
+
+def local_scalar_dense(self: torch.Tensor) -> Any:
+    return alias(self).item()
+
+
+def equal(self: torch.Tensor, other: torch.Tensor) -> bool:
+    if self.device != other.device:
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found {self.device} and "
+                           f"{other.device}")
+    if self.shape != other.shape:
+        return False
+    return bool(torch.eq(self, other).all().item())
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
+    **{f"aten::{op}": _factory_out(f) for op, f in _ops.FACTORY_OUT.items()},
+    "aten::_local_scalar_dense": local_scalar_dense,
+    "aten::equal": equal,
     "aten::_native_batch_norm_legit": _via_functional("aten::_native_batch_norm_legit",
                                                       "aten::_native_batch_norm_legit_functional"),
     "aten::_batch_norm_with_update": _via_functional("aten::_batch_norm_with_update",

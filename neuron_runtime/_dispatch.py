@@ -424,21 +424,10 @@ class Runtime:
 
 
 def _op_for_numbers(info: _ops.OpInfo, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    """The overload to call on the host. A Python number in a Tensor slot is a wrapped number (C++ passed
-    `wrapped_scalar_tensor(s)`, e.g. `remainder(t, n)` inside take_along_dim); calling the op object with it
-    is refused for all but add/sub/mul/div, so call the overload that takes a Scalar there instead (its
-    type promotion is the wrapped number's)."""
+    """The overload to call on the host: a Python number in a Tensor slot needs the Scalar overload."""
     numbers = {a.name for a, v in zip(info.args, [*args, *kwargs.values()])
                if a.kind == _ops.TENSOR and type(v) in NUMBERS}
-    if not numbers:
-        return info.op
-    want = [(a.name, "Scalar" if a.name in numbers else str(a.type)) for a in info.op._schema.arguments]
-    packet = getattr(torch.ops.aten, info.op._schema.name.removeprefix("aten::"))
-    for name in packet.overloads():
-        cand = getattr(packet, name)
-        if [(a.name, str(a.type).replace("number", "Scalar")) for a in cand._schema.arguments] == want:
-            return cand
-    return info.op
+    return _ops.scalar_overload(info.op, numbers)
 
 
 def _wants_cpu(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:

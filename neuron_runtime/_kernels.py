@@ -86,6 +86,13 @@ def register_all() -> int:
     names = set(_ops.cpu_ops()) | set(_special.KERNELS)
     for qualname in sorted(names):
         lib.impl(qualname.removeprefix("aten::"), _lazy(qualname), "PrivateUse1")
+    # copy_ between neuron tensors goes through `_copy_from`, which PyTorch's conjugate/negative-bit
+    # fallback does not know: it would materialise the conj view with clone -> copy_ -> _copy_from ->
+    # fallback -> clone ... until the C stack overflows. Our `_copy_from` copies between CPU views that
+    # keep both bits, so CPU's math-bit-aware copy_ does the resolving: let those keys fall through.
+    for op in ("_copy_from", "_copy_from_and_resize"):
+        for key in ("Conjugate", "Negative"):
+            lib.impl(op, torch.library.fallthrough_kernel, key)
     _library = lib
     return len(names)
 

@@ -34,8 +34,14 @@ STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_
 
 # Matmul-class ops whose Scalar arguments (beta, alpha) are keyed by value, not fed at run time: compilers
 # specialise their epilogue on them (beta == 0 must ignore `self`; AOTInductor cannot guard on a run-time
-# value there), and models pass constants (nn.Linear: 1 and 1).
-STRUCTURAL_SCALAR_OPS = {"addmm", "addmv", "addbmm", "baddbmm", "addr", "_addmm_activation"}
+# value there), and models pass constants (nn.Linear: 1 and 1). The range factories too: their Scalars
+# (start, end, step) decide the output's length, and code calls them with constants (positions, windows).
+STRUCTURAL_SCALAR_OPS = {"addmm", "addmv", "addbmm", "baddbmm", "addr", "_addmm_activation",
+                         "arange", "linspace", "logspace"}
+
+# Factories with out= (op -> its functional factory, which takes dtype/layout/device where these take out).
+FACTORY_OUT = {"arange.out": "arange", "arange.start_out": "arange.start_step", "linspace.out": "linspace",
+               "logspace.out": "logspace", "eye.out": "eye", "eye.m_out": "eye.m"}
 
 # Ops with a kernel of their own (see _special.py); the reason is why the generic path cannot serve them.
 SPECIAL = {
@@ -59,6 +65,13 @@ SPECIAL = {
                                      "_batch_norm_with_update_functional + copies (_decomp.py)",
     "aten::mode.values": "no CPU kernel; its composite kernel refuses devices other than CPU/CUDA/XPU, so the "
                          "generic out= kernel serves it (_decomp.py)",
+    "aten::_local_scalar_dense": "reads one value back to the host (.item()): a device-to-host copy, no compute",
+    "aten::equal": "returns a Python bool: computed as eq(a, b).all() (compiled), then read, as CUDA does "
+                   "(_decomp.py)",
+    # Factories with out=: arange/linspace/logspace/eye call these for every device (the functional factory is
+    # `empty` + `*.out`). Computed by the functional factory's executable, then copied into `out` (_decomp.py).
+    **{f"aten::{op}": "factory with out=: the functional factory compiles, its result is copied into out "
+                      "(_decomp.py)" for op in FACTORY_OUT},
 }
 
 # Accelerator-only dtypes: CUDA kernels accept float16/bfloat16, the host CPU kernel does not. On neuron these
@@ -85,8 +98,6 @@ FUNCTIONAL = {
 
 # Ops run on the host on purpose (not counted as fallbacks), with the reason.
 HOST = {
-    "aten::_local_scalar_dense": "returns a Python number (.item())",
-    "aten::equal": "returns a Python bool",
     "aten::is_set_to": "returns a Python bool",
     "aten::nonzero": "output shape depends on the data",
     "aten::nonzero_static": "reads data on the host",
@@ -98,14 +109,10 @@ HOST = {
     "aten::_assert_async": "host-side check",
     "aten::_assert_async.msg": "host-side check",
     "aten::_fused_sdp_choice": "returns a Python int",
-    # Factories with out=: the functional form takes dtype/layout/device where these take `out`, so there is
-    # no functional executable to copy from; they fill the out tensor on the host (arange/linspace/logspace/
-    # eye call these for every device: the functional factory is `empty` + `*.out`).
-    **{f"aten::{op}": "factory with out=: fills the out tensor on the host (no functional variant)"
-       for op in ("arange.out", "arange.start_out", "linspace.out", "linspace.Tensor_Tensor_out",
-                  "linspace.Tensor_Scalar_out", "linspace.Scalar_Tensor_out", "logspace.out",
-                  "logspace.Tensor_Tensor_out", "logspace.Tensor_Scalar_out", "logspace.Scalar_Tensor_out",
-                  "eye.out", "eye.m_out")},
+    # Factories with out= whose range ends are tensors: they read the ends with .item() first.
+    **{f"aten::{op}": "factory with out= whose ends are tensors: fills the out tensor on the host"
+       for op in ("linspace.Tensor_Tensor_out", "linspace.Tensor_Scalar_out", "linspace.Scalar_Tensor_out",
+                  "logspace.Tensor_Tensor_out", "logspace.Tensor_Scalar_out", "logspace.Scalar_Tensor_out")},
 }
 
 
@@ -275,6 +282,24 @@ def classify(qualname: str, special: bool = True) -> OpInfo:
     if info.kind in ("compute", "mutating") and any(keyword.iskeyword(a.name) for a in args):
         info.kind, info.reason = "host", "an argument name is a Python keyword"
     return info
+
+
+def scalar_overload(op: Any, numbers: set[str]) -> Any:
+    """The overload of `op` that takes a Scalar where `op` takes the Tensor arguments named in `numbers`.
+
+    A Python number in a Tensor slot is a wrapped number (C++ passed `wrapped_scalar_tensor(s)`, e.g.
+    `remainder(t, n)` inside take_along_dim); calling the op object with it is refused for all but
+    add/sub/mul/div, while the Scalar overload takes it with the wrapped number's type promotion.
+    Returns `op` itself when there is none."""
+    if not numbers:
+        return op
+    want = [(a.name, "Scalar" if a.name in numbers else str(a.type)) for a in op._schema.arguments]
+    packet = getattr(torch.ops.aten, op._schema.name.removeprefix("aten::"))
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        if [(a.name, str(a.type).replace("number", "Scalar")) for a in cand._schema.arguments] == want:
+            return cand
+    return op
 
 
 def cpu_ops() -> list[str]:

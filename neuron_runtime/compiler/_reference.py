@@ -27,6 +27,9 @@ def build_call(signature: dict[str, Any], op: Any) -> Executable:
 
     Generated as Python source once per executable, so a call costs one op call, not a walk of the
     signature."""
+    # Wrapped numbers (`x % 4` from C++) in Tensor slots: the overload taking a Scalar there.
+    op = _ops.scalar_overload(op, {name for name, kind, desc in signature["args"]
+                                   if kind == _ops.TENSOR and _signature.is_wrapped(desc)})
     consts: list[Any] = []
     pos: list[str] = []
     kw: list[str] = []

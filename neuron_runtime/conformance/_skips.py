@@ -66,22 +66,9 @@ ACCEL_UNSUPPORTED: dict[str, str] = {
                                         "irfftn")},
 }
 
-_CONJ = ("neuron tensors with the conjugate or negative bit (x.conj() on complex, x.conj().imag): their CPU "
-         "views (_dispatch.alias/alias_slow, via DLPack) drop the bit and the in-process key does not hold it, so "
-         "clone/copy of one gives unconjugated values, and materializing one from C++ recurses through "
-         "empty_strided until SIGSEGV; owner: dispatch")
 # Ops that do not match CPU yet, and why (tests/conformance expects them to fail; delete an entry once fixed).
-KNOWN_FAILURES: dict[str, str] = {
-    "polar": _CONJ + " - its backward conjugates the gradient",
-    "fft.hfft": _CONJ,
-    "fft.hfft2": _CONJ,
-    "fft.hfftn": _CONJ,
-    "fft.ifft": _CONJ,
-    "fft.ihfft": _CONJ,
-    "fft.ihfftn": _CONJ,
-    "linalg.eigvals": _CONJ,
-    "linalg.eig": _CONJ + " - the backward's gauge check sees wrong values and raises",
-}
+# Empty since the conjugate/negative-bit fix (`_kernels.register_all`: `_copy_from` falls through those keys).
+KNOWN_FAILURES: dict[str, str] = {}
 
 # Accelerator-only dtypes: accepted by CUDA kernels, possibly not by the host CPU kernel. Filled from the
 # OpInfos themselves (`dtypesIfCUDA` minus the CPU dtypes) by `accel_dtypes()`.

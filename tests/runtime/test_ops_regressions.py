@@ -143,3 +143,47 @@ def test_training_batch_norm_compiles_and_updates_running_stats() -> None:
         assert_same(list(want), list(got), rtol=1e-5, atol=1e-5)
         assert_same(m, dm)
         assert_same(v, dv)
+
+
+def test_conjugate_and_negative_bits() -> None:
+    # x.conj() and x.conj().imag are lazy views (conj/neg bit). Copying one between neuron tensors goes
+    # through `_copy_from`, which PyTorch's conjugate fallback used to materialise by recursing into
+    # clone -> copy_ -> _copy_from until the C stack overflowed (SIGSEGV: polar, fft.ifft, linalg.eigvals).
+    torch.manual_seed(0)
+    x = torch.randn(5, dtype=torch.cfloat)
+    c = x.to(DEV).conj()
+    assert c.is_conj()
+    assert_same(x.conj().clone(), c.clone())
+    assert_same(x.conj().resolve_conj(), c.resolve_conj())
+    assert_same(x.conj() * 2, c * 2)
+    assert_same(x.conj().imag.clone(), c.imag.clone())  # negative bit
+    d = torch.zeros(5, dtype=torch.cfloat, device=DEV)
+    d.copy_(c)
+    assert_same(x.conj(), d)
+    assert_same(x.conj(), x.conj().to(DEV))
+    r, t = torch.rand(4), torch.rand(4)
+    assert_same(torch.polar(r, t), torch.polar(r.to(DEV), t.to(DEV)))
+    assert_same(torch.fft.ifft(r), torch.fft.ifft(r.to(DEV)))
+    a = torch.randn(3, 3)
+    torch.testing.assert_close(torch.linalg.eigvals(a.to(DEV)).cpu(), torch.linalg.eigvals(a))
+
+
+def test_factories_with_out_compile() -> None:
+    # arange/linspace/logspace/eye reach their `*.out` overload on every device (the functional factory is
+    # `empty` + `*.out`): they used to fill `out` on the host; now the functional factory compiles.
+    rt = neuron_runtime._dispatch.runtime()
+    rt.host_ops.clear()
+    for _ in range(2):  # slow path, then hit path
+        assert_same(torch.arange(5), torch.arange(5, device=DEV))
+        assert_same(torch.arange(0.5, 3.2, 0.3), torch.arange(0.5, 3.2, 0.3, device=DEV))
+        assert_same(torch.linspace(0, 1, 7), torch.linspace(0, 1, 7, device=DEV))
+        assert_same(torch.logspace(0, 1, 5, base=2), torch.logspace(0, 1, 5, base=2, device=DEV))
+        assert_same(torch.eye(3, 4, dtype=torch.int32), torch.eye(3, 4, device=DEV, dtype=torch.int32))
+        out = torch.empty(2, device=DEV)
+        torch.arange(6, out=out)  # resized, as CPU's out= does
+        assert_same(torch.arange(6.0), out)
+    assert torch.equal(torch.arange(3, device=DEV), torch.arange(3, device=DEV))
+    assert not torch.equal(torch.arange(3, device=DEV), torch.arange(1, 4, device=DEV))
+    assert not torch.equal(torch.tensor([float("nan")], device=DEV), torch.tensor([float("nan")], device=DEV))
+    assert torch.arange(3, device=DEV)[1].item() == 1
+    assert not rt.host_ops, rt.host_ops
