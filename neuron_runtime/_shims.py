@@ -11,6 +11,12 @@ Each patch changes behaviour only for `neuron` and says why it exists:
     dropped first (they are re-derived on next use).
   * pinned memory: `Tensor.pin_memory()` asks the current accelerator's hooks for a pinned allocator,
     which a Python backend cannot provide. Neuron memory *is* host memory, so pinning is a no-op.
+  * backward on the calling thread: PyTorch's autograd engine runs every non-CPU device's backward on a
+    worker thread of its own (CUDA needs one per GPU; nothing lets a backend say "like CPU"). For neuron,
+    whose ops are synchronous Python kernels, that hand-off costs ~28 % of a small MLP training step
+    (`benchmarks/dispatch.py`). The importing thread gets `torch.autograd.set_multithreading_enabled(False)`
+    (a thread-local setting): its backward passes run on the calling thread, as CPU's do. Other threads keep
+    PyTorch's default; `set_multithreading_enabled(True)` restores it anywhere.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    torch._C._set_multithreading_enabled(False)  # this thread's backward passes: on the caller (see above)
     base_new = torch._C.StorageBase.__new__
 
     def storage_new(cls: type, *args: Any, device: Any = None, **kwargs: Any) -> Any:

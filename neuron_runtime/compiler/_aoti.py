@@ -129,7 +129,7 @@ class AotiCompiler(Compiler):
             raise CompileRefused(f"{qualname}: {e}") from e
         op = _resolve(qualname)
         _check_scalar_schema(qualname, op, signature)
-        run = build_call(signature, _per_element(qualname, op, signature) or op)
+        run = build_call(signature, _per_element(qualname, op, signature) or op, wrapped_as_tensors=True)
         inputs, scalar_types = _example_inputs(signature)
         n_tensors = len(inputs) - len(scalar_types)
         fp = self.fingerprint()

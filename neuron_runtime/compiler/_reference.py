@@ -22,14 +22,16 @@ def _resolve(qualname: str) -> Any:
         raise CompileRefused(f"unknown op {qualname}") from e
 
 
-def build_call(signature: dict[str, Any], op: Any) -> Executable:
+def build_call(signature: dict[str, Any], op: Any, wrapped_as_tensors: bool = False) -> Executable:
     """A function (tensors, scalars) -> list of outputs that calls `op` with the signature's arguments.
 
     Generated as Python source once per executable, so a call costs one op call, not a walk of the
-    signature."""
-    # Wrapped numbers (`x % 4` from C++) in Tensor slots: the overload taking a Scalar there.
-    op = _ops.scalar_overload(op, {name for name, kind, desc in signature["args"]
-                                   if kind == _ops.TENSOR and _signature.is_wrapped(desc)})
+    signature. Wrapped numbers (`x % 4` from C++) arrive in their Tensor slots as Python numbers, which
+    only the overload taking a Scalar there accepts; `wrapped_as_tensors`: the caller passes 0-d tensors
+    there instead (the aoti tier's graph inputs), so `op` itself is called."""
+    if not wrapped_as_tensors:
+        op = _ops.scalar_overload(op, {name for name, kind, desc in signature["args"]
+                                       if kind == _ops.TENSOR and _signature.is_wrapped(desc)})
     consts: list[Any] = []
     pos: list[str] = []
     kw: list[str] = []

@@ -290,3 +290,17 @@ def test_non_blocking_copies_both_ways() -> None:
     (back * 3).sum().backward()
     assert_same(torch.full((4,), 3.0), n.grad)
     assert n.to(torch.float16).dtype == torch.float16 and n.to(torch.float16).device.type == DEV
+
+
+def test_backward_runs_on_the_calling_thread() -> None:
+    # PyTorch runs a non-CPU device's backward on an engine worker thread; neuron's runs on the caller's,
+    # as CPU's does (a thread hand-off per backward costs more than a small model's whole step).
+    import threading
+
+    seen: list[int] = []
+    x = torch.randn(4, device=DEV, requires_grad=True)
+    y = (x * 2).sin()
+    y.register_hook(lambda g: seen.append(threading.get_ident()))
+    y.sum().backward()
+    assert seen == [threading.get_ident()]
+    torch.testing.assert_close(x.grad.cpu(), (2 * (x.detach() * 2).cos()).cpu())
