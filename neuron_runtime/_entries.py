@@ -3,7 +3,8 @@
 A refusal is cached like an artifact (an envelope whose header carries `refused` and whose payload is
 empty), so a fleet asks the compiler about an op it cannot compile once, not once per host and run, and a
 strict-mode job finds the answer in the cache (the op runs on the host, as everywhere else) instead of
-failing on a miss."""
+failing on a miss. A refusal names the neuron-runtime version that made it: another version may compile
+the op (refusals are often our own gaps, fixed later), so it asks the compiler again (`stale_refusal`)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ def build_entry(cache: Any, compiler: Compiler, key: str, sig: dict[str, Any], f
                 producer: str | None = None) -> bytes:
     """Compile `sig` and pack the envelope for `key`; a refusal becomes a refusal entry."""
     header: dict[str, Any] = {"signature": sig, "fingerprint": fingerprint}
+    from . import __version__
+
     if producer:
         header["producer"] = producer
     try:
         payload = compiler.compile(sig)
     except CompileRefused as e:
         header[REFUSED] = str(e)
+        header["runtime"] = __version__
         payload = b""
     return bytes(cache.pack(key, header, payload))
 
@@ -33,3 +37,10 @@ def check(entry: Any) -> None:
     why = entry.header.get(REFUSED)
     if why:
         raise CompileRefused(str(why))
+
+
+def stale_refusal(entry: Any) -> bool:
+    """`entry` is a refusal made by another neuron-runtime version (so worth asking the compiler again)."""
+    from . import __version__
+
+    return bool(entry.header.get(REFUSED)) and entry.header.get("runtime") != __version__

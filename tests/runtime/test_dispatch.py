@@ -249,3 +249,35 @@ def test_refusals_are_cached_and_strict_mode_runs_them_on_the_host(monkeypatch: 
     finally:
         monkeypatch.undo()
         _dispatch.reset_runtime()
+
+
+class LearnedCompiler(RefusingCompiler):
+    """Same fingerprint (so the same keys) as RefusingCompiler(refuse), but compiles everything."""
+
+    def compile(self, signature: dict[str, Any]) -> bytes:
+        return ReferenceCompiler.compile(self, signature)
+
+
+def test_refusal_by_another_runtime_version_is_asked_again(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A cached refusal names the neuron-runtime version that made it; another version asks its compiler
+    again (an upgrade that learns to compile an op must not be stuck with the old answer)."""
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = torch.randn(4), torch.randn(4)
+    rt = _dispatch.reset_runtime()
+    try:
+        rt.set_compiler(RefusingCompiler({"aten::atan2"}))
+        with pytest.warns(UserWarning, match="atan2 runs on the host"):
+            torch.atan2(a.to(DEV), b.to(DEV))
+        rt = _dispatch.reset_runtime()
+        rt.set_compiler(LearnedCompiler({"aten::atan2"}))
+        assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))  # same version: still refused
+        assert neuron_runtime.stats()["compiles"] == 0 and "aten::atan2" in neuron_runtime.fallback_ops()
+        monkeypatch.setattr(neuron_runtime, "__version__", "0.0.0-older")
+        rt = _dispatch.reset_runtime()
+        rt.set_compiler(LearnedCompiler({"aten::atan2"}))
+        assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))
+        assert neuron_runtime.stats()["compiles"] == 1 and neuron_runtime.stats()["fallbacks"] == 0
+    finally:
+        monkeypatch.undo()
+        _dispatch.reset_runtime()
