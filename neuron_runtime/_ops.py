@@ -30,14 +30,18 @@ OTHER = "other"            # Storage, Stream, ... never compiled
 
 # Float arguments that decide output shapes, so they must be keyed by value, not fed at run time.
 STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_d",
-                     "ord"}  # ord: a norm's kind (export cannot trace a data-dependent choice of algorithm)
+                     "ord",  # ord: a norm's kind (export cannot trace a data-dependent choice of algorithm)
+                     "correction"}  # var/std's Bessel correction: a constant, and a float to the prims
+                                    # underneath (a Scalar there cannot be a run-time input)
 
 # Matmul-class ops whose Scalar arguments (beta, alpha) are keyed by value, not fed at run time: compilers
 # specialise their epilogue on them (beta == 0 must ignore `self`; AOTInductor cannot guard on a run-time
 # value there), and models pass constants (nn.Linear: 1 and 1). The range factories too: their Scalars
 # (start, end, step) decide the output's length, and code calls them with constants (positions, windows).
+# lerp's weight: Inductor's lowering branches on it (weight < 0.5), so it cannot be a run-time value; Adam's
+# `_foreach_lerp_(exp_avgs, grads, 1 - beta1)` passes a constant.
 STRUCTURAL_SCALAR_OPS = {"addmm", "addmv", "addbmm", "baddbmm", "addr", "_addmm_activation",
-                         "arange", "linspace", "logspace"}
+                         "arange", "linspace", "logspace", "lerp", "_foreach_lerp"}
 
 # Factories with out= (op -> its functional factory, which takes dtype/layout/device where these take out).
 FACTORY_OUT = {"arange.out": "arange", "arange.start_out": "arange.start_step", "linspace.out": "linspace",

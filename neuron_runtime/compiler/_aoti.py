@@ -168,13 +168,24 @@ class AotiCompiler(Compiler):
         for i, _dtype in wrapped_slots(signature):
             tensors[i] = tensors[i].item()  # the dispatcher passes these as Python numbers
         try:
-            got = self.load(payload)(tensors, scalars)
-        except Exception as e:  # noqa: BLE001 - an artifact that cannot run is refused, never cached
-            raise CompileRefused(f"{qualname}: compiled artifact fails to load or run ({type(e).__name__}: "
+            exe = self.load(payload)
+        except Exception as e:  # noqa: BLE001 - an artifact that cannot load is refused, never cached
+            raise CompileRefused(f"{qualname}: compiled artifact fails to load ({type(e).__name__}: "
                                  f"{str(e).strip()[:300]})") from e
         try:
             want = run(tensors, scalars)
-        except Exception:  # noqa: BLE001 - eager rejects the example values (e.g. indices); shapes still checked
+        except Exception:  # noqa: BLE001 - eager rejects the example values (a matrix that is not
+            # positive-definite for cholesky, pivots for lu_unpack): the artifact may reject them too
+            want = None
+        try:
+            got = exe(tensors, scalars)
+        except Exception as e:  # noqa: BLE001 - an artifact that cannot run is refused, never cached
+            if want is None:
+                log.debug("aoti: %s and its eager reference both reject the example values", qualname)
+                return
+            raise CompileRefused(f"{qualname}: compiled artifact fails to run ({type(e).__name__}: "
+                                 f"{str(e).strip()[:300]})") from e
+        if want is None:
             log.debug("aoti: eager reference of %s failed on example values; values not compared", qualname)
             return
         if len(got) != len(want):
@@ -302,7 +313,9 @@ def _example_inputs(signature: dict[str, Any], values: bool = False) -> tuple[li
 
 
 _EXAMPLE_NUMBERS = {"float": 0.5, "int": 2, "bool": True}
-_WRAPPED_DTYPES = {"float64": torch.float64, "float32": torch.float32, "int64": torch.int64, "bool": torch.bool}
+_WRAPPED_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
 
 
 def wrapped_slots(signature: dict[str, Any]) -> list[tuple[int, str]]:
@@ -314,7 +327,8 @@ def wrapped_slots(signature: dict[str, Any]) -> list[tuple[int, str]]:
     dtype, as eager does), else as the default dtype (an int tensor times 2.5 gives float32, not float64)."""
     slots: list[tuple[int, str]] = []
     position = 0
-    has_float = False
+    floats: list[torch.dtype] = []
+    ints: list[torch.dtype] = []
     for _, kind, desc in signature["args"]:
         descs = [desc] if kind in (_ops.TENSOR, _ops.OPT_TENSOR) else \
             list(desc) if kind in (_ops.TENSORS, _ops.OPT_TENSORS) else []
@@ -326,12 +340,25 @@ def wrapped_slots(signature: dict[str, Any]) -> list[tuple[int, str]]:
                 if t not in _EXAMPLE_NUMBERS:
                     raise CompileRefused(f"{signature['op']}: a {t} number in a tensor slot is not compiled")
                 slots.append((position, t))
-            elif _signature.decode_dtype(d["dtype"]).is_floating_point:
-                has_float = True
+            else:
+                dt = _signature.decode_dtype(d["dtype"])
+                if dt.is_floating_point:
+                    floats.append(dt)
+                elif not dt.is_complex and dt != torch.bool:
+                    ints.append(dt)
             position += 1
-    default = str(torch.get_default_dtype()).removeprefix("torch.")
-    return [(i, "int64" if t == "int" else "bool" if t == "bool" else "float64" if has_float else default)
-            for i, t in slots]
+
+    def widest(dtypes: list[torch.dtype], default: torch.dtype) -> str:
+        out = dtypes[0] if dtypes else default
+        for dt in dtypes[1:]:
+            out = torch.promote_types(out, dt)
+        return str(out).removeprefix("torch.")
+
+    # The widest input dtype of the number's category: a 0-d tensor of it never changes the result dtype
+    # of a dimensioned input, nor of a 0-d one (a wider 0-d tensor would: 0-d float32 + 0-d float64 is
+    # float64, and 0-d float32 + 2.5 is float32).
+    fdt, idt = widest(floats, torch.get_default_dtype()), widest(ints, torch.int64)
+    return [(i, idt if t == "int" else "bool" if t == "bool" else fdt) for i, t in slots]
 
 
 def _check_scalar_schema(qualname: str, op: Any, signature: dict[str, Any]) -> None:
