@@ -381,12 +381,15 @@ def _example_tensor(desc: dict[str, Any], values: bool = False) -> torch.Tensor:
     if dtype.is_complex or dtype.itemsize == 1 and dtype.is_floating_point:
         # Inductor's CPU backend has no complex or float8 codegen; the host runs these exactly.
         raise CompileRefused(f"tensors of dtype {dtype} are not compiled by the aoti tier")
-    t = torch.empty_strided(desc["sizes"], desc["strides"], dtype=dtype).zero_()
+    sizes, strides = desc["sizes"], desc["strides"]
+    # Fill the storage, then view it: an expanded input (stride 0) cannot be written through its view.
+    n = 0 if 0 in sizes else 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides))
+    flat = torch.zeros(n, dtype=dtype)
     if values and dtype.is_floating_point:
         # Uniform in [0.5, 1.5): positive (log, sqrt, division stay finite), away from kinks at 0 and 1.
         gen = torch.Generator().manual_seed(0)
-        t.copy_(torch.rand(t.shape, generator=gen, dtype=torch.float32) + 0.5)
-    return t
+        flat.copy_(torch.rand(n, generator=gen, dtype=torch.float32) + 0.5)
+    return flat.as_strided(sizes, strides)
 
 
 def _check_value(qualname: str, name: str, value: Any) -> None:
