@@ -64,6 +64,9 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("clear", help="delete every entry (local tier unless --tiers says otherwise)")
     _common.add_tiers_option(p, "local")
     p.add_argument("--yes", action="store_true", help="needed to clear a fleet store (it is shared by every host)")
+    p.add_argument("--refusals", action="store_true",
+                   help="delete only cached compiler refusals, so the compiler is asked again (after a "
+                        "compiler fix within one neuron-runtime version; another version re-asks by itself)")
     _common.add_cache_options(p)
     _common.add_json_option(p)
     p.set_defaults(func=cmd_clear)
@@ -316,7 +319,12 @@ def cmd_clear(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {}
     try:
         for tier in tiers:
-            removed = sum(bool(tier.backend.delete(i.key)) for i in list(tier.backend.entries()))
+            if args.refusals:
+                keys = [key for key, _, _, header, _ in _common.iter_headers(tier)
+                        if header is not None and header.get("refused")]
+            else:
+                keys = [i.key for i in tier.backend.entries()]
+            removed = sum(bool(tier.backend.delete(k)) for k in keys)
             report[tier.name] = {"url": tier.url, "removed": removed}
     finally:
         _common.close_tiers(tiers)

@@ -91,6 +91,22 @@ def test_ls_stats_and_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert st["entries"] == 0 and st["bytes"] == 0
 
 
+def test_clear_refusals_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    local = tmp_path / "local"
+    kept = fill(local, [sig_n(i) for i in range(2)])
+    cache = LocalCache(str(local), 1 << 34)
+    refused_key = _signature.cache_key(SUM, FP)
+    assert cache.put(refused_key, envelope.pack(refused_key, {"signature": SUM, "fingerprint": FP,
+                                                              "refused": "not supported"}, b"", None))
+    cache.close()
+    rc, rows, _ = run(capsys, "ls", "--local-dir", str(local), "--json")
+    assert [r["key"] for r in rows if r["refused"]] == [refused_key]
+    rc, cleared, _ = run(capsys, "clear", "--refusals", "--local-dir", str(local), "--json")
+    assert rc == 0 and cleared["local"]["removed"] == 1
+    rc, rows, _ = run(capsys, "ls", "--local-dir", str(local), "--json")
+    assert sorted(r["key"] for r in rows) == sorted(kept)
+
+
 # ------------------------------------------------------------------------------------------ verify
 
 
