@@ -201,9 +201,11 @@ class AotiCompiler(Compiler):
                                      f"gives {list(w.shape)}/{w.stride()}/{w.dtype}")
             if qualname in _UNDEFINED_VALUES:
                 continue
-            if g.is_floating_point() and not torch.allclose(g.double(), w.double(), rtol=1e-2, atol=1e-2,
-                                                            equal_nan=True) or \
-                    not g.is_floating_point() and not torch.equal(g, w):
+            inexact = g.is_floating_point() or g.is_complex()
+            if inexact and not torch.allclose(g.to(torch.complex128 if g.is_complex() else torch.float64),
+                                              w.to(torch.complex128 if w.is_complex() else torch.float64),
+                                              rtol=1e-2, atol=1e-2, equal_nan=True) or \
+                    not inexact and not torch.equal(g, w):
                 raise CompileRefused(f"{qualname}: output {i} differs from eager on example values")
 
     # -- load ---------------------------------------------------------------------------------------
@@ -378,17 +380,19 @@ def _check_scalar_schema(qualname: str, op: Any, signature: dict[str, Any]) -> N
 
 def _example_tensor(desc: dict[str, Any], values: bool = False) -> torch.Tensor:
     dtype = _signature.decode_dtype(desc["dtype"])
-    if dtype.is_complex or dtype.itemsize == 1 and dtype.is_floating_point:
-        # Inductor's CPU backend has no complex or float8 codegen; the host runs these exactly.
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        # Inductor's CPU backend has no float8 codegen; the host runs these exactly. (Complex tensors
+        # compile: Inductor calls ATen's kernels for what it cannot generate, and the self-check compares.)
         raise CompileRefused(f"tensors of dtype {dtype} are not compiled by the aoti tier")
     sizes, strides = desc["sizes"], desc["strides"]
     # Fill the storage, then view it: an expanded input (stride 0) cannot be written through its view.
     n = 0 if 0 in sizes else 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides))
     flat = torch.zeros(n, dtype=dtype)
-    if values and dtype.is_floating_point:
+    if values and (dtype.is_floating_point or dtype.is_complex):
         # Uniform in [0.5, 1.5): positive (log, sqrt, division stay finite), away from kinks at 0 and 1.
         gen = torch.Generator().manual_seed(0)
-        flat.copy_(torch.rand(n, generator=gen, dtype=torch.float32) + 0.5)
+        real = torch.rand(n, generator=gen, dtype=torch.float32) + 0.5
+        flat.copy_(torch.complex(real, torch.rand(n, generator=gen) + 0.5) if dtype.is_complex else real)
     return flat.as_strided(sizes, strides)
 
 
