@@ -126,9 +126,11 @@ class CacheService:
         self.metrics.inc("neuron_cache_requests_total", method=method, code=code.name)
         await context.abort(code, text)
 
-    def unary(self, method: str, need: Role,
-              fn: Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]) -> grpc.RpcMethodHandler:
-        async def handler(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    def _single(self, method: str, need: Role,
+                fn: Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]],
+                make: Callable[..., grpc.RpcMethodHandler]) -> grpc.RpcMethodHandler:
+        """A handler with one response (`make`: unary-unary, or stream-unary with `fn` taking the stream)."""
+        async def handler(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             try:
                 self.auth.check(context.invocation_metadata() or (), need)
                 out = await fn(request, context)
@@ -140,7 +142,11 @@ class CacheService:
             self.metrics.inc("neuron_cache_requests_total", method=method, code="OK")
             return out
 
-        return grpc.unary_unary_rpc_method_handler(handler)
+        return make(handler)
+
+    def unary(self, method: str, need: Role,
+              fn: Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]) -> grpc.RpcMethodHandler:
+        return self._single(method, need, fn, grpc.unary_unary_rpc_method_handler)
 
     def server_stream(self, method: str, need: Role,
                       fn: Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[bytes]]
@@ -162,19 +168,7 @@ class CacheService:
     def client_stream(self, method: str, need: Role,
                       fn: Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]
                       ) -> grpc.RpcMethodHandler:
-        async def handler(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-            try:
-                self.auth.check(context.invocation_metadata() or (), need)
-                out = await fn(requests, context)
-            except (asyncio.CancelledError, grpc.aio.AbortError):
-                raise
-            except Exception as e:
-                await self._fail(context, method, e)
-                raise AssertionError("unreachable: abort raises") from e
-            self.metrics.inc("neuron_cache_requests_total", method=method, code="OK")
-            return out
-
-        return grpc.stream_unary_rpc_method_handler(handler)
+        return self._single(method, need, fn, grpc.stream_unary_rpc_method_handler)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {

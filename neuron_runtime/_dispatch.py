@@ -654,9 +654,13 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     lines.append("    except Exception:")
     lines.append(f"        return _zRT().slow_call(_zINFO, {{}}, _zkey, {values})")
     lines.append("    _zN[0] += 1")
-    if info.kind == "mutating" and any(a.kind in (_ops.TENSORS, _ops.OPT_TENSORS) for a in info.args
-                                       if a.name in info.mutable):
-        lines.append(f"    _zCBA(_zINFO, {values}, _zouts)")  # lists of tensors mutated (foreach, fused)
+    if info.kind == "mutating" and len(info.mutable) == 1 and f.returns_list and \
+            mutated.get(info.mutable[0], "").startswith("_zl"):
+        # One list mutated, one list returned (`_foreach_add_`): copy into the CPU views taken above.
+        lines.append(f"    if {mutated[info.mutable[0]]}: _zFC({mutated[info.mutable[0]]}, _zouts)")
+    elif info.kind == "mutating" and any(a.kind in (_ops.TENSORS, _ops.OPT_TENSORS) for a in info.args
+                                         if a.name in info.mutable):
+        lines.append(f"    _zCBA(_zINFO, {values}, _zouts)")  # lists of tensors mutated (fused optimizers)
     elif info.kind == "mutating":
         for i, m in enumerate(info.mutable):
             if m in mutated and mutated[m].startswith("_zc"):
@@ -683,7 +687,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     scope: dict[str, Any] = {
         "_zDF": defaults, "_zAG": _alias_get, "_zAS": alias_slow, "_zAL": alias, "_zEG": exes.get,
         "_zEXES": exes, "_zRT": runtime, "_zINFO": info, "_zW": wrap, "_zN": FAST,
-        "_zCB": _copy_back_out, "_zCBA": _copy_back_all, "_zNUM": NUMBERS,
+        "_zCB": _copy_back_out, "_zCBA": _copy_back_all, "_zNUM": NUMBERS, "_zFC": torch._foreach_copy_,
         "_zPENDING": _fusion.PENDING, "_zFLUSH": _fusion.flush, "_zSUBMIT": _fusion.submit,
     }
     exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
