@@ -14,18 +14,8 @@ import pytest
 
 from neuron_runtime.cli import main
 
-JOB = """
-import json, os, sys, torch, neuron_runtime
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to('neuron')
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-x, y = torch.randn(8, 8, device='neuron'), torch.randint(0, 4, (8,), device='neuron')
-for step in range(2):
-    opt.zero_grad(); loss = torch.nn.functional.cross_entropy(model(x), y); loss.backward(); opt.step()
-    if os.environ.get('CRASH_AFTER_FORWARD') and step == 0:
-        raise RuntimeError('warm-up script crashed midway')
-print('loss', loss.item())
-"""
+# The training job every warm test runs (a process of its own).
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "train_small.py"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -52,8 +42,7 @@ def test_warm_then_strict_job_compiles_nothing(tmp_path: Path, capfd: pytest.Cap
     # A busy host can stall a file operation past the 10 s default; a fleet timeout is a miss, which in
     # strict mode is an error. This test is about warm, not about timeouts.
     monkeypatch.setenv("TORCH_NEURONX_FLEET_TIMEOUT", "120")
-    job = tmp_path / "train.py"
-    job.write_text(JOB)
+    job = JOB
     local, fleet, manifest = tmp_path / "local", tmp_path / "fleet", tmp_path / "manifest.jsonl"
     # The CLI runs in this process to save one more torch start-up on a busy host; the job, the two
     # compile workers and the strict consumer are processes of their own.
@@ -91,8 +80,7 @@ def test_warm_then_strict_job_compiles_nothing(tmp_path: Path, capfd: pytest.Cap
 
 def test_warm_script_crashing_midway_still_compiles_what_it_recorded(
         tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    job = tmp_path / "train.py"
-    job.write_text(JOB)
+    job = JOB
     local = tmp_path / "local"
     monkeypatch.setenv("CRASH_AFTER_FORWARD", "1")
     # The CLI in this process (the job and the worker are still processes of their own).

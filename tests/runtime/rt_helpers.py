@@ -51,10 +51,18 @@ def fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[_dispatch.Runtime
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run `code` in a fresh interpreter (another process is what 'import torch alone' means)."""
+    return _run([sys.executable, "-c", code], env, timeout)
+
+
+def run_script(path: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run the script at `path` in a fresh interpreter."""
+    return _run([sys.executable, path], env, timeout)
+
+
+def _run(cmd: list[str], env: dict[str, str] | None, timeout: float) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
-                          timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
 _ = (neuron_runtime, _config)

@@ -11,22 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from rt_helpers import run_python
+from rt_helpers import run_python, run_script
 
-JOB = """
-import json, os, sys, torch, neuron_runtime
-from neuron_runtime import _dispatch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to('neuron')
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-x, y = torch.randn(8, 8, device='neuron'), torch.randint(0, 4, (8,), device='neuron')
-for _ in range(3):
-    opt.zero_grad(); loss = torch.nn.functional.cross_entropy(model(x), y); loss.backward(); opt.step()
-out = os.environ.get('JOB_OUT')
-if out:
-    with open(out, 'w') as f:
-        json.dump({'loss': loss.item(), 'keys': sorted(_dispatch.runtime().by_digest)}, f)
-"""
+JOB = str(Path(__file__).resolve().parents[1] / "jobs" / "train_small.py")
 
 
 def _env(tmp: Path, name: str, **extra: str) -> dict[str, str]:
@@ -44,7 +31,7 @@ def _read(tmp: Path, name: str) -> tuple[dict, dict]:  # type: ignore[type-arg]
 
 def test_second_run_compiles_nothing(tmp_path: Path) -> None:
     for name in ("cold", "warm"):
-        r = run_python(JOB, env=_env(tmp_path, name))
+        r = run_script(JOB, env=_env(tmp_path, name))
         assert r.returncode == 0, r.stderr
     cold, cold_out = _read(tmp_path, "cold")
     warm, warm_out = _read(tmp_path, "warm")
@@ -58,7 +45,7 @@ def test_processes_started_together_compile_each_key_once(tmp_path: Path) -> Non
     for i in range(4):
         env = dict(os.environ)
         env.update(_env(tmp_path, f"p{i}"))
-        procs.append(subprocess.Popen([sys.executable, "-c", JOB], env=env, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, JOB], env=env, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err
@@ -69,15 +56,15 @@ def test_processes_started_together_compile_each_key_once(tmp_path: Path) -> Non
 
 
 def test_strict_mode_names_the_op_and_readonly_writes_nothing(tmp_path: Path) -> None:
-    r = run_python(JOB, env=_env(tmp_path, "strict", TORCH_NEURONX_CACHE_MODE="strict"))
+    r = run_script(JOB, env=_env(tmp_path, "strict", TORCH_NEURONX_CACHE_MODE="strict"))
     assert r.returncode != 0
     assert "strict" in r.stderr and "aten::" in r.stderr and "Signature" in r.stderr
-    r = run_python(JOB, env=_env(tmp_path, "ro", TORCH_NEURONX_CACHE_MODE="readonly"))
+    r = run_script(JOB, env=_env(tmp_path, "ro", TORCH_NEURONX_CACHE_MODE="readonly"))
     assert r.returncode == 0, r.stderr
-    r = run_python(JOB, env=_env(tmp_path, "after", TORCH_NEURONX_CACHE_MODE="readwrite"))
+    r = run_script(JOB, env=_env(tmp_path, "after", TORCH_NEURONX_CACHE_MODE="readwrite"))
     after, _ = _read(tmp_path, "after")
     assert after["hits"]["local"] == 0 and after["compiles"] > 0  # readonly left nothing behind
-    r = run_python(JOB, env=_env(tmp_path, "strict2", TORCH_NEURONX_CACHE_MODE="strict"))
+    r = run_script(JOB, env=_env(tmp_path, "strict2", TORCH_NEURONX_CACHE_MODE="strict"))
     assert r.returncode == 0, r.stderr  # warm now: strict runs
 
 
@@ -91,7 +78,7 @@ def test_unwritable_cache_dir_never_fails_an_op(tmp_path: Path) -> None:
         target = str(ro / "cache")
     env = _env(tmp_path, "unwritable")
     env["TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"] = target
-    r = run_python(JOB, env=env)
+    r = run_script(JOB, env=env)
     assert r.returncode == 0, r.stderr
     stats, out = _read(tmp_path, "unwritable")
     assert stats["compiles"] == len(out["keys"])
@@ -99,7 +86,7 @@ def test_unwritable_cache_dir_never_fails_an_op(tmp_path: Path) -> None:
 
 
 def test_damaged_local_entries_are_refused_and_recompiled(tmp_path: Path) -> None:
-    r = run_python(JOB, env=_env(tmp_path, "cold"))
+    r = run_script(JOB, env=_env(tmp_path, "cold"))
     assert r.returncode == 0, r.stderr
     _, cold_out = _read(tmp_path, "cold")
     damage = f"""
@@ -121,7 +108,7 @@ print(len(keys))
 """
     r = run_python(damage)
     assert r.returncode == 0, r.stderr
-    r = run_python(JOB, env=_env(tmp_path, "after"))
+    r = run_script(JOB, env=_env(tmp_path, "after"))
     assert r.returncode == 0, r.stderr
     stats, out = _read(tmp_path, "after")
     assert stats["corrupt"] == 6 and stats["compiles"] == 6
