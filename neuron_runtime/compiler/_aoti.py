@@ -40,7 +40,7 @@ import torch
 from .. import _config, _ops, _signature
 from . import _toolchain
 from ._base import CompileRefused, Compiler, Executable
-from ._reference import _resolve, build_call
+from ._reference import _resolve, build_call, build_graph
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +127,12 @@ class AotiCompiler(Compiler):
             _toolchain.check_host(self.march)
         except _toolchain.ToolchainError as e:
             raise CompileRefused(f"{qualname}: {e}") from e
-        op = _resolve(qualname)
-        _check_scalar_schema(qualname, op, signature)
-        run = build_call(signature, _per_element(qualname, op, signature) or op, wrapped_as_tensors=True)
+        if "graph" in signature:  # a fused group (neuron_runtime.fusion)
+            run, signature = build_graph(signature, wrapped_as_tensors=True), graph_inputs(signature)
+        else:
+            op = _resolve(qualname)
+            _check_scalar_schema(qualname, op, signature)
+            run = build_call(signature, _per_element(qualname, op, signature) or op, wrapped_as_tensors=True)
         inputs, scalar_types = _example_inputs(signature)
         n_tensors = len(inputs) - len(scalar_types)
         fp = self.fingerprint()
@@ -361,6 +364,28 @@ def wrapped_slots(signature: dict[str, Any]) -> list[tuple[int, str]]:
     # float64, and 0-d float32 + 2.5 is float32).
     fdt, idt = widest(floats, torch.get_default_dtype()), widest(ints, torch.int64)
     return [(i, idt if t == "int" else "bool" if t == "bool" else fdt) for i, t in slots]
+
+
+def graph_inputs(signature: dict[str, Any]) -> dict[str, Any]:
+    """A fused group's inputs as one flat signature: its external tensors (`e0`, `e1`, ... described by
+    the slot each feeds first), then every node's run-time scalars in node order; what `build_graph`'s
+    executable takes. Each node's scalars are checked as a single op's are."""
+    ext: dict[int, Any] = {}
+    scalars: list[list[Any]] = []
+    for k, node in enumerate(signature["graph"]):
+        sig = node["sig"]
+        _check_scalar_schema(sig["op"], _resolve(sig["op"]), sig)
+        slots = [desc for _, kind, desc in sig["args"] if kind in (_ops.TENSOR, _ops.OPT_TENSOR) and desc is not None]
+        if len(slots) != len(node["in"]) or any(kind in (_ops.TENSORS, _ops.OPT_TENSORS) for _, kind, _ in sig["args"]):
+            raise CompileRefused(f"{signature['op']}: node {k} ({sig['op']}) is not a fusible op")
+        for (src, i), desc in zip(node["in"], slots):
+            if src == "e":
+                ext.setdefault(int(i), desc)
+        scalars += [[f"n{k}.{name}", kind, desc] for name, kind, desc in sig["args"]
+                    if kind in (_ops.SCALAR, _ops.SCALARS) and desc is not None]
+    if sorted(ext) != list(range(len(ext))):
+        raise CompileRefused(f"{signature['op']}: external inputs {sorted(ext)} are not numbered 0..n-1")
+    return {"op": signature["op"], "args": [[f"e{i}", _ops.TENSOR, ext[i]] for i in range(len(ext))] + scalars}
 
 
 def _check_scalar_schema(qualname: str, op: Any, signature: dict[str, Any]) -> None:

@@ -119,13 +119,13 @@ class ReferenceCompiler(Compiler):
         return build_call(sig, _resolve(sig["op"]))
 
 
-def build_graph(signature: dict[str, Any]) -> Executable:
+def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False) -> Executable:
     """A fused group (see `neuron_runtime.fusion`): its ops in order, each reading the group's inputs
     (`["e", i]`) or an earlier op's result (`["n", j]`); returns the results listed in `outputs`.
-    Intermediates pass from op to op without being copied anywhere."""
+    Intermediates pass from op to op without being copied anywhere. `wrapped_as_tensors`: see build_call."""
     steps = []
     for node in signature["graph"]:
-        call = build_call(node["sig"], _resolve(node["sig"]["op"]))
+        call = build_call(node["sig"], _resolve(node["sig"]["op"]), wrapped_as_tensors)
         wiring = [(kind == "n", int(i)) for kind, i in node["in"]]
         n_scalars = sum(1 if kind == _ops.SCALAR and desc is not None else
                         len(desc) if kind == _ops.SCALARS and desc is not None else 0

@@ -53,7 +53,28 @@ def compiled(device_run: subprocess.Popen[str], aoti_compiler: AotiCompiler) -> 
         "sum": Compiled(aoti_compiler, "aten::sum.dim_IntList", torch.randn(6, 10), [1], False, None),
         # an int tensor times a Python float (a wrapped number: `i * 2.5`)
         "wrapped": Compiled(aoti_compiler, "aten::mul.Tensor", torch.arange(6), 2.5),
+        # a fused group (neuron_runtime.fusion): relu(x * 2) + alpha * y, one executable
+        "graph": CompiledGraph(aoti_compiler, _graph_signature()),
     }
+
+
+class CompiledGraph:
+    def __init__(self, compiler: Any, signature: dict[str, Any]) -> None:
+        self.signature = signature
+        self.payload: bytes = compiler.compile(signature)
+        self.exe = compiler.load(self.payload)
+
+
+def _graph_signature() -> dict[str, Any]:
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    _, mul = signature_of("aten::mul.Tensor", x, 2)
+    _, relu = signature_of("aten::relu", x)
+    _, add = signature_of("aten::add.Tensor", x, y, 0.5)
+    # External inputs: e0 = x, e1 = the number 2 (a wrapped number), e2 = y; nodes read e* or earlier n*.
+    return {"op": "fused:mul+relu+add",
+            "graph": [{"sig": mul, "in": [["e", 0], ["e", 1]]}, {"sig": relu, "in": [["n", 0]]},
+                      {"sig": add, "in": [["n", 1], ["e", 2]]}],
+            "outputs": [2]}
 
 
 def run_both(c: Compiled, *values: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -78,6 +99,16 @@ def test_ops_match_eager(compiled: dict[str, Compiled]) -> None:
     got, want = run_both(compiled["foreach"], [torch.randn(5), torch.randn(3, 4)], [0.5, -2.0])
     assert [t.shape for t in got] == [torch.Size([5]), torch.Size([3, 4])]  # a Tensor[] comes back flat
     assert_same(got, want)
+
+
+def test_fused_group_compiles_to_one_executable(compiled: dict[str, Any]) -> None:
+    """A graph signature (what fusion hands the compiler) runs as one call; its scalars stay run-time."""
+    g = compiled["graph"]
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    for k, alpha in ((2, 0.5), (3, -1.5)):
+        (got,) = g.exe([x, k, y], [alpha])
+        torch.testing.assert_close(got, torch.relu(x * k) + alpha * y)
+    assert read_meta(g.payload)["n_tensors"] == 3
 
 
 def test_scalars_are_run_time_inputs(compiled: dict[str, Compiled]) -> None:
