@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from . import _ops
-from ._dispatch import alias, wrap
+from . import _dispatch, _ops
+from ._dispatch import _copy_back_out, alias, wrap
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -39,7 +39,7 @@ def efficientzerotensor(size: list[int], *, dtype: Any = None, layout: Any = Non
 
 def _generic(qualname: str) -> Callable[..., Any]:
     """The kernel `_kernels` would build for `qualname` from its kind, ignoring the special tables."""
-    from . import _dispatch, _kernels
+    from . import _kernels
 
     info = _ops.classify(qualname, special=False)
     if info.kind == "view":
@@ -128,15 +128,10 @@ def _factory_out(functional: str) -> Callable[..., Any]:
 
     def kernel(*args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if not cell:
-            from . import _dispatch
-
             info = _ops.classify(f"aten::{functional}", special=False)
             info.kind, info.reason = "compute", ""  # classify() calls a device factory "host"
             cell.append(_dispatch._codegen(info))
-        result = alias(cell[0](*args, dtype=out.dtype, **kwargs))
-        from ._dispatch import _copy_back_out
-
-        _copy_back_out(out, result)
+        _copy_back_out(out, alias(cell[0](*args, dtype=out.dtype, **kwargs)))
         return out
 
     return kernel
