@@ -39,9 +39,13 @@ STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_
 # value there), and models pass constants (nn.Linear: 1 and 1). The range factories too: their Scalars
 # (start, end, step) decide the output's length, and code calls them with constants (positions, windows).
 # lerp's weight: Inductor's lowering branches on it (weight < 0.5), so it cannot be a run-time value; Adam's
-# `_foreach_lerp_(exp_avgs, grads, 1 - beta1)` passes a constant.
+# `_foreach_lerp_(exp_avgs, grads, 1 - beta1)` passes a constant. Likewise a norm's order p and the
+# shrinkage/margin constants whose kernels branch on their value (export: "Could not guard on
+# data-dependent expression").
 STRUCTURAL_SCALAR_OPS = {"addmm", "addmv", "addbmm", "baddbmm", "addr", "_addmm_activation",
-                         "arange", "linspace", "logspace", "lerp", "_foreach_lerp"}
+                         "arange", "linspace", "logspace", "lerp", "_foreach_lerp",
+                         "norm", "renorm", "dist", "multi_margin_loss", "multi_margin_loss_backward",
+                         "softshrink", "softshrink_backward", "hardshrink", "hardshrink_backward"}
 
 # Factories with out= (op -> its functional factory, which takes dtype/layout/device where these take out).
 FACTORY_OUT = {"arange.out": "arange", "arange.start_out": "arange.start_step", "linspace.out": "linspace",

@@ -198,7 +198,8 @@ class AotiCompiler(Compiler):
             if g.numel() and g.untyped_storage().data_ptr() in held:
                 raise CompileRefused(f"{qualname}: compiled artifact returns an input's memory as output {i}")
             # Strides of size-1 dimensions are arbitrary; every other stride is the op's layout contract.
-            strides_differ = any(n > 1 and a != b for n, a, b in zip(g.shape, g.stride(), w.stride()))
+            # An empty output has no layout to honour.
+            strides_differ = g.numel() > 0 and any(n > 1 and a != b for n, a, b in zip(g.shape, g.stride(), w.stride()))
             if (g.shape, g.dtype) != (w.shape, w.dtype) or strides_differ:
                 raise CompileRefused(f"{qualname}: output {i} is {list(g.shape)}/{g.stride()}/{g.dtype}, eager "
                                      f"gives {list(w.shape)}/{w.stride()}/{w.dtype}")
