@@ -187,3 +187,18 @@ def test_factories_with_out_compile() -> None:
     assert not torch.equal(torch.tensor([float("nan")], device=DEV), torch.tensor([float("nan")], device=DEV))
     assert torch.arange(3, device=DEV)[1].item() == 1
     assert not rt.host_ops, rt.host_ops
+
+
+def test_scalars_that_decide_code_paths_are_keyed_by_value() -> None:
+    # The aoti sweep found kernels that branch on a Scalar's value (export cannot guard on a run-time
+    # value): those Scalars are keyed by value, so each value has its own executable.
+    for qualname, arg in (("aten::lerp_.Scalar", "weight"), ("aten::_foreach_lerp_.Scalar", "weight"),
+                          ("aten::norm.ScalarOpt_dim", "p"), ("aten::softshrink", "lambd"),
+                          ("aten::multi_margin_loss", "margin"), ("aten::var_mean.correction", "correction"),
+                          ("aten::arange.start_step", "end")):
+        kinds = {a.name: a.kind for a in _ops.classify(qualname).args}
+        assert kinds[arg] == _ops.VALUE, (qualname, kinds)
+    assert {a.name: a.kind for a in _ops.classify("aten::add.Tensor").args}["alpha"] == _ops.SCALAR
+    x = torch.randn(6)
+    for lambd in (0.5, 0.25):  # two values, two executables, both right
+        assert_same(F.softshrink(x, lambd), F.softshrink(x.to(DEV), lambd))
