@@ -5,7 +5,10 @@ Fusion is decided when a process builds its kernels, so each mode runs in its ow
 also times native CPU eager on the same model, so each ratio is measured side by side (interleaved
 rounds, medians, OMP_NUM_THREADS=1). Also checks that fusion on and off give the same losses.
 
-    python benchmarks/fusion.py [--tier reference|aoti] [--steps N]
+    python benchmarks/fusion.py [--tier reference|aoti] [--steps N] [--cache-dir DIR]
+
+With --cache-dir the executables persist: on `aoti` a first run compiles (minutes), a second one then
+measures warm processes only.
 """
 
 from __future__ import annotations
@@ -90,8 +93,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tier", default="reference", choices=["reference", "aoti"])
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--cache-dir", help="local executable cache to use (default: a fresh temporary directory)")
     args = p.parse_args()
-    cache = tempfile.mkdtemp(prefix="neuron-fusion-bench-")
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="neuron-fusion-bench-")
     base = dict(os.environ, OMP_NUM_THREADS="1", TORCH_NEURONX_COMPILER=args.tier,
                 TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=cache)
     modes = {"fusion_off": {"TORCH_NEURONX_ENABLE_CONCATENATION": "0"},
