@@ -18,9 +18,9 @@ REFUSED = "refused"
 def build_entry(cache: Any, compiler: Compiler, key: str, sig: dict[str, Any], fingerprint: dict[str, Any],
                 producer: str | None = None) -> bytes:
     """Compile `sig` and pack the envelope for `key`; a refusal becomes a refusal entry."""
-    header: dict[str, Any] = {"signature": sig, "fingerprint": fingerprint}
-    from . import __version__
+    from . import __version__  # read at call time (not bound at import)
 
+    header: dict[str, Any] = {"signature": sig, "fingerprint": fingerprint}
     if producer:
         header["producer"] = producer
     try:

@@ -199,7 +199,8 @@ class AotiCompiler(Compiler):
                 raise CompileRefused(f"{qualname}: compiled artifact returns an input's memory as output {i}")
             # Strides of size-1 dimensions are arbitrary; every other stride is the op's layout contract.
             # An empty output has no layout to honour.
-            strides_differ = g.numel() > 0 and any(n > 1 and a != b for n, a, b in zip(g.shape, g.stride(), w.stride()))
+            strides_differ = g.numel() > 0 and any(n > 1 and a != b
+                                                   for n, a, b in zip(g.shape, g.stride(), w.stride()))
             if (g.shape, g.dtype) != (w.shape, w.dtype) or strides_differ:
                 raise CompileRefused(f"{qualname}: output {i} is {list(g.shape)}/{g.stride()}/{g.dtype}, eager "
                                      f"gives {list(w.shape)}/{w.stride()}/{w.dtype}")
@@ -327,10 +328,9 @@ _WRAPPED_DTYPES = {str(d).removeprefix("torch."): d for d in (
 def wrapped_slots(signature: dict[str, Any]) -> list[tuple[int, str]]:
     """(position in the tensor list, dtype) of each Python number in a Tensor slot (`x * 2`).
 
-    The executable takes it as a 0-d tensor whose dtype reproduces a wrapped number's type promotion: an
-    int as int64 and a bool as bool (a 0-d tensor never wins over a dimensioned one of its category); a
-    float as float64 when a floating tensor is among the inputs (the value is then cast to that tensor's
-    dtype, as eager does), else as the default dtype (an int tensor times 2.5 gives float32, not float64)."""
+    The executable takes it as a 0-d tensor whose dtype reproduces a wrapped number's type promotion: the
+    widest input dtype of the number's category (float inputs for a float, integer inputs for an int), or
+    the default dtype / int64 when there is none (an int tensor times 2.5 gives float32); a bool as bool."""
     slots: list[tuple[int, str]] = []
     position = 0
     floats: list[torch.dtype] = []
@@ -360,9 +360,9 @@ def wrapped_slots(signature: dict[str, Any]) -> list[tuple[int, str]]:
             out = torch.promote_types(out, dt)
         return str(out).removeprefix("torch.")
 
-    # The widest input dtype of the number's category: a 0-d tensor of it never changes the result dtype
-    # of a dimensioned input, nor of a 0-d one (a wider 0-d tensor would: 0-d float32 + 0-d float64 is
-    # float64, and 0-d float32 + 2.5 is float32).
+    # A 0-d tensor of the widest input dtype of its category never changes the result dtype, whether the
+    # other inputs are dimensioned or 0-d (a wider one would: 0-d float32 + 0-d float64 is float64, while
+    # 0-d float32 + 2.5 is float32).
     fdt, idt = widest(floats, torch.get_default_dtype()), widest(ints, torch.int64)
     return [(i, idt if t == "int" else "bool" if t == "bool" else fdt) for i, t in slots]
 
@@ -376,8 +376,10 @@ def graph_inputs(signature: dict[str, Any]) -> dict[str, Any]:
     for k, node in enumerate(signature["graph"]):
         sig = node["sig"]
         _check_scalar_schema(sig["op"], _resolve(sig["op"]), sig)
-        slots = [desc for _, kind, desc in sig["args"] if kind in (_ops.TENSOR, _ops.OPT_TENSOR) and desc is not None]
-        if len(slots) != len(node["in"]) or any(kind in (_ops.TENSORS, _ops.OPT_TENSORS) for _, kind, _ in sig["args"]):
+        slots = [desc for _, kind, desc in sig["args"]
+                 if kind in (_ops.TENSOR, _ops.OPT_TENSOR) and desc is not None]
+        if len(slots) != len(node["in"]) or any(kind in (_ops.TENSORS, _ops.OPT_TENSORS)
+                                                for _, kind, _ in sig["args"]):
             raise CompileRefused(f"{signature['op']}: node {k} ({sig['op']}) is not a fusible op")
         for (src, i), desc in zip(node["in"], slots):
             if src == "e":
