@@ -80,10 +80,10 @@ class HostLocks:
         self.directory = directory
         self._ready = False
 
-    def acquire(self, key: str, timeout_s: float) -> tuple[HostLock | None, bool]:
-        """(lock, waited). `lock` is None when the wait ran out or lock files cannot be used (then the
-        caller goes on without host-level single-flight: correctness never depends on it). Polls with
-        backoff (10 ms up to 250 ms) because flock has no timed wait."""
+    def acquire(self, key: str, timeout_s: float) -> HostLock | None:
+        """The lock, or None when the wait ran out or lock files cannot be used (then the caller goes on
+        without host-level single-flight: correctness never depends on it). Polls with backoff (10 ms up
+        to 250 ms) because flock has no timed wait."""
         try:
             if not self._ready:
                 os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -91,23 +91,22 @@ class HostLocks:
             fd = os.open(os.path.join(self.directory, f"{key}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as e:
             log.debug("host lock for %s unavailable: %s", key, e)
-            return None, False
+            return None
         deadline = time.monotonic() + timeout_s
-        delay, waited = 0.01, False
+        delay = 0.01
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return HostLock(fd), waited
+                return HostLock(fd)
             except BlockingIOError:
                 pass
             except OSError as e:
                 os.close(fd)
                 log.debug("host lock for %s failed: %s", key, e)
-                return None, waited
+                return None
             left = deadline - time.monotonic()
             if left <= 0:
                 os.close(fd)
-                return None, True
-            waited = True
+                return None
             time.sleep(min(delay, left))
             delay = min(delay * 1.5, 0.25)

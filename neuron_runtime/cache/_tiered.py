@@ -266,12 +266,13 @@ class TieredCache:
 
     def _compile_once(self, key: str, compile_fn: Callable[[], bytes]) -> tuple[envelope.Entry, str]:
         # 2b. per host
-        host_lock, waited = self._host_locks.acquire(key, self.cfg.lock_timeout_s)
+        host_lock = self._host_locks.acquire(key, self.cfg.lock_timeout_s)
         try:
-            if waited:
-                found = self._lookup(key)
-                if found is not None:
-                    return found[0], found[2]
+            # Look again even if the lock was free: another process may have compiled the entry and let
+            # the lock go between our first lookup and this acquire (then it is written already).
+            found = self._lookup(key)
+            if found is not None:
+                return found[0], found[2]
             # 2c. per fleet
             lease: Lease | None = None
             if self.fleet is not None and self.writable:

@@ -234,6 +234,25 @@ def test_threads_share_one_compile(tmp_path: Path) -> None:
     assert sorted(s for _, _, s in results).count("compiled") == 3
 
 
+def test_a_compile_finished_before_the_host_lock_is_taken_is_not_repeated(tmp_path: Path) -> None:
+    """Two processes of one host miss the same key; the first compiles, writes and lets the lock go
+    before the second takes it, so the second never waits for the lock: it must still find the entry."""
+    first, _ = tiered(tmp_path)
+    second, stats = tiered(tmp_path)  # another process: its own flights and counters, the same dirs
+    key = key_of("raced")
+    comp = Compiler()
+    real_acquire = second._host_locks.acquire
+
+    def acquire_after_the_other_process(k: str, timeout_s: float) -> Any:
+        first.get_or_compile(k, comp(k))  # runs start to finish between our lookup and our lock
+        return real_acquire(k, timeout_s)
+
+    second._host_locks.acquire = acquire_after_the_other_process  # type: ignore[method-assign]
+    entry, source = second.get_or_compile(key, comp(key))
+    assert comp.calls == 1 and stats["compiles"] == 0 and source == "local"
+    assert entry.payload == f"payload {key}".encode()
+
+
 def test_waiting_threads_compile_themselves_when_the_leader_fails(tmp_path: Path) -> None:
     cache, _ = tiered(tmp_path)
     k = key_of("flaky")
