@@ -273,11 +273,7 @@ class Runtime:
             raise CacheMissError(digest, self._strict_message(digest, sig)) from e
         if where != "compiled" and _entries.stale_refusal(entry) and self.cfg.cache_mode != "strict":
             # Refused by another neuron-runtime version: this one may compile it.
-            data = compile_entry()
-            self._count("compiles")
-            if cache.writable:
-                cache.put(digest, data)
-            entry = cache.verify(digest, data)
+            entry = self._replace(cache, digest, compile_entry)
         _entries.check(entry)  # a cached refusal: the op runs on the host without asking the compiler
         try:
             exe = self.compiler.load(entry.payload)
@@ -291,17 +287,22 @@ class Runtime:
             self._count("corrupt")
             warnings.warn(f"neuron: cached executable {digest} for {sig['op']} does not load here "
                           f"({type(e).__name__}: {e}); recompiling", UserWarning, stacklevel=2)
-            if cache.writable:
-                for _, backend in cache.tiers:
-                    backend.delete(digest)
-            data = compile_entry()
-            self._count("compiles")
-            cache.put(digest, data)
-            fresh = cache.verify(digest, data)
+            fresh = self._replace(cache, digest, compile_entry)
             _entries.check(fresh)
             exe = self.compiler.load(fresh.payload)
         self._count("loads")
         return exe
+
+    def _replace(self, cache: TieredCache, digest: str, compile_entry: Callable[[], bytes]) -> Any:
+        """Compile `digest` again and store the result in place of the cached entry (tiers keep the first
+        writer, so the old entry goes first). Returns the verified new entry."""
+        if cache.writable:
+            for _, backend in cache.tiers:
+                backend.delete(digest)
+        data = compile_entry()
+        self._count("compiles")
+        cache.put(digest, data)
+        return cache.verify(digest, data)
 
     def _count(self, name: str) -> None:
         """Bump a counter the TieredCache may bump too: under the cache's lock when there is one."""

@@ -278,6 +278,10 @@ def test_refusal_by_another_runtime_version_is_asked_again(monkeypatch: pytest.M
         rt.set_compiler(LearnedCompiler({"aten::atan2"}))
         assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))
         assert neuron_runtime.stats()["compiles"] == 1 and neuron_runtime.stats()["fallbacks"] == 0
+        rt = _dispatch.reset_runtime()  # the refusal was replaced: the next process just loads
+        rt.set_compiler(LearnedCompiler({"aten::atan2"}))
+        assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))
+        assert neuron_runtime.stats()["compiles"] == 0 and neuron_runtime.stats()["hits"]["local"] == 1
     finally:
         monkeypatch.undo()
         _dispatch.reset_runtime()
