@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml .ci/constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install -q -c .ci/constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# The native hit path (C++, built with the host compiler once per torch install; seconds when built).
 install: $(STAMP)
+	$(BIN)/python -m neuron_runtime._native
 
 demo: install
 	$(BIN)/python -m neuron_runtime.demo

@@ -89,8 +89,9 @@ _VARS: dict[str, tuple[str, object]] = {
     "TORCH_NEURONX_FUSION_MIN_SEEN": ("fusion_min_seen", int),
     "TORCH_NEURONX_RECORD_FILE": ("record_file", str),
 }
-# Read elsewhere (signing key material), listed so they are not reported as unknown.
-_OTHER_KNOWN = {"TORCH_NEURONX_CACHE_SIGNING_KEY", "TORCH_NEURONX_CACHE_SIGNING_KEY_FILE"}
+# Read elsewhere (signing key material; the native layer, loaded before any Config), listed so they are
+# not reported as unknown.
+_OTHER_KNOWN = {"TORCH_NEURONX_CACHE_SIGNING_KEY", "TORCH_NEURONX_CACHE_SIGNING_KEY_FILE", "TORCH_NEURONX_NATIVE"}
 
 _COMPILERS = ("aoti", "reference")
 _MODES = ("readwrite", "readonly", "strict")

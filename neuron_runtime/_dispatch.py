@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import _config, _entries, _ops, _signature
+from . import _config, _entries, _hostmem, _ops, _signature
 from .cache import CacheMissError, IntegrityError, TieredCache
 from ._hostmem import to_cpu, to_neuron
 from .compiler import CompileRefused, Compiler, Executable, get_compiler
@@ -165,6 +165,8 @@ class Runtime:
         self.fallback_ops: dict[str, str] = {}   # op name -> reason (first seen)
         self.host_ops: set[str] = set()
         FAST[0] = 0
+        if _hostmem.NATIVE is not None:
+            _hostmem.NATIVE.reset_counters()
         # One dict of counters, shared with the TieredCache (which adds hits["local"/"fleet"], misses,
         # compiles, corrupt, fleet_errors, writes_skipped, lease_waits).
         self.counts: dict[str, Any] = {"executions": 0, "compiles": 0, "fallbacks": 0, "corrupt": 0,
@@ -190,8 +192,9 @@ class Runtime:
         with self.lock:
             s: dict[str, Any] = dict(self.counts)
             hits = dict(self.counts["hits"])
-        s["executions"] += FAST[0]
-        hits["memory"] += FAST[0]
+        fast = FAST[0] + (_hostmem.NATIVE.executions() if _hostmem.NATIVE is not None else 0)
+        s["executions"] += fast
+        hits["memory"] += fast
         s["hits"] = hits
         s["fallback_ops"] = sorted(self.fallback_ops)
         s["compiler"] = self.compiler.name
@@ -252,6 +255,7 @@ class Runtime:
         for _, exes in _EXES.values():
             for k in [k for k, e in exes.items() if id(e) not in live]:
                 del exes[k]
+        _forget_native()
 
     def _load_or_compile(self, digest: str, sig: dict[str, Any]) -> Executable:
         cache = self.cache
@@ -550,7 +554,14 @@ def reset_runtime(cfg: _config.Config | None = None) -> Runtime:
     _runtime = Runtime(cfg or _config.reload())
     for info, exes in _EXES.values():
         exes.clear()
+    _forget_native()
     return _runtime
+
+
+def _forget_native() -> None:
+    """The native hit path keeps its own table of the executables in `_EXES`: empty it with them."""
+    if _hostmem.NATIVE is not None:
+        _hostmem.NATIVE.clear()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -682,6 +693,8 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         lines.append("    return _zW(_zouts[0])")
     else:  # an output may be undefined (None), e.g. a backward op with a False output_mask entry
         lines.append("    return tuple([None if _zo is None else _zW(_zo) for _zo in _zouts])")
+    # The executable a call would use, or None (the native hit path learns its entries from this).
+    lines += ["", f"def lookup({sig}):"] + ["    " + b for b in key_lines] + [f"    return _zEG({key})"]
     src = "\n".join(lines) + "\n"
     exes: dict[Any, Executable] = {}
     _EXES[info.qualname] = (info, exes)
@@ -694,6 +707,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
     kernel: Callable[..., Any] = scope["kernel"]
     kernel.__neuron_source__ = src  # type: ignore[attr-defined]
+    kernel.__neuron_lookup__ = scope["lookup"]  # type: ignore[attr-defined]
     return kernel
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import _dispatch, _ops, _special
+from . import _dispatch, _hostmem, _ops, _special
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _kernels: dict[str, Callable[..., Any]] = {}
@@ -107,13 +107,53 @@ def _lazy(qualname: str) -> Callable[..., Any]:
         kernel = kernel_for(qualname)
         if _library is not None and qualname not in _installed:
             _installed.add(qualname)
-            with warnings.catch_warnings():
-                # PyTorch warns (once) that a kernel is overridden: that is the point here.
-                warnings.simplefilter("ignore")
-                _library.impl(qualname.removeprefix("aten::"), kernel, "PrivateUse1")
+            if not _install_native(qualname, kernel):
+                with warnings.catch_warnings():
+                    # PyTorch warns (once) that a kernel is overridden: that is the point here.
+                    warnings.simplefilter("ignore")
+                    _library.impl(qualname.removeprefix("aten::"), kernel, "PrivateUse1")
         return kernel(*args, **kwargs)
 
     return first
 
 
 _installed: set[str] = set()
+
+# Argument kinds the native hit path serves (`fastpath.cpp`'s Kind), and nothing else.
+_NATIVE_KINDS = {_ops.TENSOR: 0, _ops.OPT_TENSOR: 1, _ops.SCALAR: 2, _ops.VALUE: 3}
+
+
+def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
+    """Register the native kernel of `qualname` in place of `kernel` if it can serve the op's hit path
+    (`_native`); it calls `kernel` for everything else. With fusion on, the Python kernels queue ops."""
+    native = _hostmem.NATIVE
+    if native is None or _dispatch.runtime().fusion is not None or qualname in _special.KERNELS:
+        return False
+    info = _ops.classify(qualname)
+    if info.kind == "view":
+        native.register_view(qualname)
+        return True
+    lookup = getattr(kernel, "__neuron_lookup__", None)
+    if lookup is None or not _native_eligible(info):
+        return False
+    mutated = info.args.index(next(a for a in info.args if a.name == info.mutable[0])) if info.mutable else -1
+    native.register_compute(qualname, [_NATIVE_KINDS[a.kind] for a in info.args],
+                            [a.kwarg_only for a in info.args], [a.name for a in info.args], mutated,
+                            info.n_returns, kernel, lookup)
+    return True
+
+
+def _native_eligible(info: _ops.OpInfo) -> bool:
+    """Ops whose arguments are single tensors, Scalars and structural values, returning tensors: a
+    functional op, or an in-place one writing one tensor argument and returning it."""
+    if any(a.kind not in _NATIVE_KINDS for a in info.args):
+        return False
+    if any(str(r.type) != "Tensor" for r in info.op._schema.returns) or info.returns_list:
+        return False
+    if info.kind == "compute":
+        return info.n_returns >= 1
+    if info.kind != "mutating" or len(info.mutable) != 1 or info.functional is None:
+        return False
+    m = next(a for a in info.args if a.name == info.mutable[0])
+    return (not m.kwarg_only and m.kind == _ops.TENSOR and info.n_returns == 1
+            and info.returns_args == [m.name] and len(info.functional.args) == len(info.args))

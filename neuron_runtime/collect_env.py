@@ -15,7 +15,7 @@ def collect() -> dict[str, Any]:
     import torch
 
     import neuron_runtime
-    from neuron_runtime import _config, _device, _dispatch
+    from neuron_runtime import _config, _device, _dispatch, _native
 
     cfg = _config.get()
     info: dict[str, Any] = {
@@ -31,6 +31,7 @@ def collect() -> dict[str, Any]:
             "available": bool(getattr(torch, _device.DEVICE).is_available()) if hasattr(torch, _device.DEVICE) else False,
             "accelerator": str(torch.accelerator.current_accelerator()),
             "autoload": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1"),
+            "native_hit_path": _native.status(),
         },
         "config": {k: ("<set>" if k == "signing_key" and v else v) for k, v in vars(cfg).items()
                    if k not in ("cache_token",)},

@@ -116,7 +116,10 @@ class ReferenceCompiler(Compiler):
         sig = desc["signature"]
         if "graph" in sig:
             return build_graph(sig)
-        return build_call(sig, _resolve(sig["op"]))
+        run = build_call(sig, _resolve(sig["op"]))
+        # The whole executable is this aten op on host memory: the native hit path calls it directly.
+        run.__neuron_aten__ = sig["op"]  # type: ignore[attr-defined]
+        return run
 
 
 def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False) -> Executable:

@@ -1,0 +1,470 @@
+// The native hit path of neuron-runtime (see neuron_runtime/_native/__init__.py and docs/dispatch.md).
+//
+// Everything here is an accelerator for what the Python kernels in `_dispatch.py` already do; every
+// case this file does not handle goes to them unchanged:
+//   * relabelling host memory between the `cpu` and `neuron` devices (no DLPack round trip);
+//   * view ops: the CPU kernel runs on the neuron tensor itself (metadata only);
+//   * compute and in-place ops: the key of a call is built from the dispatcher's stack, looked up in a
+//     per-op table the Python slow path fills, and the executable runs without entering Python for the
+//     `reference` tier (it is the aten op on host memory) or with one Python call for any other tier.
+// A key this file does not build (conjugate bits, CPU tensors, list arguments, ...), a miss, and any
+// exception on the hit path all call the Python kernel, which decides everything as before.
+
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/Storage.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+namespace py = pybind11;
+using Stack = torch::jit::Stack;
+
+// ---------------------------------------------------------------------------------------------------
+// Relabelling: a tensor of the other device over the same storage. The new storage's context holds a
+// reference to the source tensor (as a DLPack capsule does), so the memory lives as long as either, and
+// the source's use count says whether anything still reads it (fusion relies on that).
+// ---------------------------------------------------------------------------------------------------
+void drop_source(void* ctx) { delete static_cast<at::Tensor*>(ctx); }
+
+at::Tensor relabel(const at::Tensor& t, c10::DispatchKey key, c10::Device dev) {
+  const c10::Storage& src = t.storage();
+  auto* keep = new at::Tensor(t);
+  // mutable_data(): a copy-on-write storage gets its own memory first, as a DLPack export does.
+  c10::DataPtr dp(const_cast<c10::Storage&>(src).mutable_data(), keep, &drop_source, dev);
+  c10::Storage st(c10::Storage::use_byte_size_t(), src.nbytes(), std::move(dp), nullptr, false);
+  auto out = at::detail::make_tensor<c10::TensorImpl>(std::move(st), c10::DispatchKeySet(key), t.dtype());
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return out;
+}
+
+const c10::Device kNeuron(c10::DeviceType::PrivateUse1, 0);
+const c10::Device kCpu(c10::DeviceType::CPU);
+
+inline at::Tensor to_neuron(const at::Tensor& t) { return relabel(t, c10::DispatchKey::PrivateUse1, kNeuron); }
+inline at::Tensor to_cpu(const at::Tensor& t) { return relabel(t, c10::DispatchKey::CPU, kCpu); }
+
+const c10::DispatchKeySet kCpuKeys(c10::DispatchKey::CPU);
+
+// ---------------------------------------------------------------------------------------------------
+// Registration (one torch::Library fragment, alive for the process).
+// ---------------------------------------------------------------------------------------------------
+struct Quiet : c10::WarningHandler {
+  void process(const c10::Warning&) override {}  // "overriding a previously registered kernel": intended
+};
+
+torch::Library& library() {
+  static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                                        __FILE__, __LINE__);
+  return *lib;
+}
+
+void view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
+  op.redispatchBoxed(kCpuKeys, stack);
+}
+
+std::string op_name(const std::string& qualname) {  // "aten::add.Tensor" -> "add.Tensor"
+  auto pos = qualname.find("::");
+  return pos == std::string::npos ? qualname : qualname.substr(pos + 2);
+}
+
+void register_view(const std::string& qualname) {
+  Quiet quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  library().impl(op_name(qualname).c_str(), torch::CppFunction::makeFromBoxedFunction<&view_kernel>());
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Compute and in-place ops.
+// ---------------------------------------------------------------------------------------------------
+enum Kind : int { TENSOR = 0, OPT_TENSOR = 1, SCALAR = 2, VALUE = 3 };
+
+// Key words: a tag per argument, then its content. Tags keep e.g. int 1, float 1.0 and True apart.
+enum Tag : int64_t {
+  T_NONE = -1, T_TENSOR = -2, T_WRAPPED = -3, T_INT = -4, T_DOUBLE = -5, T_BOOL = -6, T_COMPLEX = -7,
+  T_INTLIST = -8, T_STRING = -9, T_DEVICE = -10, T_DOUBLELIST = -11, T_BOOLLIST = -12,
+};
+
+using Key = std::vector<int64_t>;
+
+struct KeyHash {
+  size_t operator()(const Key& k) const noexcept {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t w : k) {
+      h ^= static_cast<uint64_t>(w) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+inline int64_t bits_of(double d) {
+  int64_t b;
+  std::memcpy(&b, &d, sizeof b);
+  return b;
+}
+
+// An executable the Python slow path made for a key. `aten` is set for a `reference` executable (the
+// functional aten op on host memory): it runs without Python. Otherwise `exe(tensors, scalars)` is called.
+struct Entry {
+  std::optional<c10::OperatorHandle> aten;
+  PyObject* exe = nullptr;  // strong reference; the GIL is taken to release it
+  bool python_only = false;  // the slow path keeps no executable for this key (a host fallback)
+  ~Entry() {
+    if (exe != nullptr && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(exe);
+    }
+  }
+};
+
+std::atomic<int64_t> g_executions{0};
+std::atomic<int64_t> g_generation{0};  // bumped by clear(): tables drop entries of older generations
+
+struct OpState final : c10::OperatorKernel {
+  std::string qualname;
+  std::vector<int> kinds;            // per schema argument
+  std::vector<bool> kwarg_only;      // per schema argument
+  std::vector<std::string> names;    // per schema argument
+  int mutated = -1;                  // in-place: the argument the op writes (and returns)
+  size_t n_returns = 0;
+  PyObject* kernel = nullptr;        // the Python kernel (never released: states live for the process)
+  PyObject* lookup = nullptr;        // lookup(*args, **kwargs) -> executable the Python kernel uses, or None
+  std::mutex mu;
+  int64_t generation = 0;
+  std::unordered_map<Key, std::shared_ptr<Entry>, KeyHash> table;
+
+  // Build the key; false if this call is not one the native path serves.
+  bool build_key(const Stack& stack, size_t base, Key& key) const {
+    key.reserve(48);
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      const c10::IValue& v = stack[base + i];
+      switch (kinds[i]) {
+        case TENSOR:
+        case OPT_TENSOR: {
+          if (v.isNone()) {
+            if (kinds[i] != OPT_TENSOR) return false;
+            key.push_back(T_NONE);
+            break;
+          }
+          if (!v.isTensor()) return false;
+          const at::Tensor& t = v.toTensor();
+          if (!t.defined()) return false;
+          auto* impl = t.unsafeGetTensorImpl();
+          if (impl->is_wrapped_number()) {
+            if (kinds[i] != TENSOR) return false;
+            key.push_back(T_WRAPPED);
+            key.push_back(static_cast<int64_t>(t.scalar_type()));
+            break;
+          }
+          if (impl->device_type() != c10::DeviceType::PrivateUse1 || impl->is_conj() || impl->is_neg() ||
+              impl->layout() != c10::kStrided) {
+            return false;
+          }
+          key.push_back(T_TENSOR);
+          key.push_back(static_cast<int64_t>(t.scalar_type()));
+          auto sizes = impl->sizes();
+          auto strides = impl->strides();
+          key.push_back(static_cast<int64_t>(sizes.size()));
+          key.insert(key.end(), sizes.begin(), sizes.end());
+          key.insert(key.end(), strides.begin(), strides.end());
+          break;
+        }
+        case SCALAR:
+          if (v.isDouble()) key.push_back(T_DOUBLE);
+          else if (v.isInt()) key.push_back(T_INT);
+          else if (v.isBool()) key.push_back(T_BOOL);
+          else if (v.isComplexDouble()) key.push_back(T_COMPLEX);
+          else if (v.isNone()) key.push_back(T_NONE);
+          else return false;
+          break;
+        case VALUE:
+          if (!value_words(v, key)) return false;
+          break;
+        default:
+          return false;
+      }
+    }
+    return true;
+  }
+
+  static bool value_words(const c10::IValue& v, Key& key) {
+    if (v.isNone()) {
+      key.push_back(T_NONE);
+    } else if (v.isBool()) {
+      key.push_back(T_BOOL);
+      key.push_back(v.toBool());
+    } else if (v.isInt()) {
+      key.push_back(T_INT);
+      key.push_back(v.toInt());
+    } else if (v.isDouble()) {
+      key.push_back(T_DOUBLE);
+      key.push_back(bits_of(v.toDouble()));
+    } else if (v.isIntList()) {
+      auto l = v.toIntList();
+      key.push_back(T_INTLIST);
+      key.push_back(static_cast<int64_t>(l.size()));
+      for (int64_t x : l) key.push_back(x);
+    } else if (v.isBoolList()) {
+      auto l = v.toBoolList();
+      key.push_back(T_BOOLLIST);
+      key.push_back(static_cast<int64_t>(l.size()));
+      for (bool x : l) key.push_back(x);
+    } else if (v.isDoubleList()) {
+      auto l = v.toDoubleList();
+      key.push_back(T_DOUBLELIST);
+      key.push_back(static_cast<int64_t>(l.size()));
+      for (double x : l) key.push_back(bits_of(x));
+    } else if (v.isString()) {
+      const std::string& s = v.toStringRef();
+      key.push_back(T_STRING);
+      key.push_back(static_cast<int64_t>(s.size()));
+      for (char c : s) key.push_back(c);
+    } else if (v.isDevice()) {
+      key.push_back(T_DEVICE);
+      key.push_back(static_cast<int64_t>(v.toDevice().type()));
+      key.push_back(v.toDevice().index());
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  std::shared_ptr<Entry> find(const Key& key) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (generation != g_generation.load(std::memory_order_relaxed)) return nullptr;
+    auto it = table.find(key);
+    return it == table.end() ? nullptr : it->second;
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
+    const size_t n = kinds.size();
+    const size_t base = stack->size() - n;
+    Key key;
+    bool keyed = build_key(*stack, base, key);
+    if (keyed) {
+      std::shared_ptr<Entry> e = find(key);
+      if (e && !e->python_only && run(*e, stack, base)) {
+        g_executions.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+      if (e) keyed = false;  // known: nothing to learn
+    }
+    call_python(op, stack, base, keyed ? &key : nullptr);
+  }
+
+  // The hit path. Returns false (stack untouched) if the executable raised: the Python kernel then
+  // decides (the user's error, or a fallback to the host).
+  bool run(const Entry& e, Stack* stack, size_t base) {
+    const size_t n = kinds.size();
+    std::vector<at::Tensor> outs;
+    try {
+      if (e.aten) {
+        Stack cpu;
+        cpu.reserve(n);
+        for (size_t i = 0; i < n; ++i) {
+          const c10::IValue& v = (*stack)[base + i];
+          if ((kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) && v.isTensor() &&
+              !v.toTensor().unsafeGetTensorImpl()->is_wrapped_number()) {
+            cpu.emplace_back(to_cpu(v.toTensor()));
+          } else {
+            cpu.push_back(v);
+          }
+        }
+        e.aten->redispatchBoxed(kCpuKeys, &cpu);
+        outs.reserve(cpu.size());
+        for (auto& r : cpu) outs.push_back(r.isTensor() ? r.toTensor() : at::Tensor());
+      } else {
+        py::gil_scoped_acquire gil;
+        py::list tensors, scalars;
+        for (size_t i = 0; i < n; ++i) {
+          const c10::IValue& v = (*stack)[base + i];
+          if (kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) {
+            if (!v.isTensor()) continue;
+            const at::Tensor& t = v.toTensor();
+            if (t.unsafeGetTensorImpl()->is_wrapped_number()) tensors.append(number(t));
+            else tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(to_cpu(t))));
+          } else if (kinds[i] == SCALAR && !v.isNone()) {
+            scalars.append(torch::jit::toPyObject(v));
+          }
+        }
+        py::object r = py::reinterpret_steal<py::object>(
+            PyObject_CallFunctionObjArgs(e.exe, tensors.ptr(), scalars.ptr(), nullptr));
+        if (!r) {
+          PyErr_Clear();
+          return false;
+        }
+        for (py::handle o : r) {
+          if (o.is_none()) outs.emplace_back();
+          else if (THPVariable_Check(o.ptr())) outs.push_back(THPVariable_Unpack(o.ptr()));
+          else return false;
+        }
+      }
+      if (outs.size() < std::max<size_t>(n_returns, mutated >= 0 ? 1 : 0)) return false;
+      if (mutated >= 0) {
+        const at::Tensor& target = (*stack)[base + mutated].toTensor();
+        to_cpu(target).copy_(outs[0]);
+        c10::IValue self = (*stack)[base + mutated];
+        torch::jit::drop(*stack, n);
+        stack->push_back(std::move(self));
+        return true;
+      }
+    } catch (const std::exception&) {
+      return false;
+    }
+    torch::jit::drop(*stack, n);
+    for (size_t i = 0; i < n_returns; ++i) {
+      stack->emplace_back(outs[i].defined() ? to_neuron(outs[i]) : at::Tensor());
+    }
+    return true;
+  }
+
+  static py::object number(const at::Tensor& t) {  // a wrapped number as the Python number it was
+    switch (t.scalar_type()) {
+      case at::kBool: return py::bool_(t.item<bool>());
+      case at::kLong: return py::int_(t.item<int64_t>());
+      case at::kComplexDouble: {
+        auto c = t.item<c10::complex<double>>();
+        return py::reinterpret_steal<py::object>(PyComplex_FromDoubles(c.real(), c.imag()));
+      }
+      default: return py::float_(t.item<double>());
+    }
+  }
+
+  // Everything but a hit: the Python kernel, then (for a key built here) the executable it keeps.
+  void call_python(const c10::OperatorHandle& op, Stack* stack, size_t base, const Key* key) {
+    const size_t n = kinds.size();
+    py::gil_scoped_acquire gil;
+    py::tuple args(count_positional());
+    py::dict kwargs;
+    size_t p = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const c10::IValue& v = (*stack)[base + i];
+      py::object o = to_python(v, op.schema().arguments()[i].real_type());
+      if (kwarg_only[i]) kwargs[py::str(names[i])] = o;
+      else args[p++] = o;
+    }
+    py::object out = py::reinterpret_steal<py::object>(PyObject_Call(kernel, args.ptr(), kwargs.ptr()));
+    if (!out) throw python_error();
+    if (key != nullptr) learn(*key, args, kwargs);
+    const auto& returns = op.schema().returns();
+    torch::jit::drop(*stack, n);
+    if (returns.size() == 1) {
+      push_return(stack, out, returns[0].type());
+    } else if (returns.size() > 1) {
+      py::tuple t = py::reinterpret_borrow<py::tuple>(out);
+      for (size_t i = 0; i < returns.size(); ++i) push_return(stack, t[i], returns[i].type());
+    }
+  }
+
+  // An argument as the Python kernel receives it from PyTorch (dtype, layout and memory format are
+  // ints on the stack; a wrapped number is the Python number it was).
+  static py::object to_python(const c10::IValue& v, const c10::TypePtr& type) {
+    if (v.isNone()) return py::none();
+    if (v.isTensor() && v.toTensor().defined() && v.toTensor().unsafeGetTensorImpl()->is_wrapped_number()) {
+      return number(v.toTensor());
+    }
+    c10::TypeKind kind = type->kind();
+    if (auto opt = type->cast<c10::OptionalType>()) kind = opt->getElementType()->kind();
+    if (kind == c10::TypeKind::ScalarTypeType) {
+      return py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt()))));
+    }
+    if (kind == c10::TypeKind::LayoutType) {
+      return py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPLayout(static_cast<c10::Layout>(v.toInt()))));
+    }
+    if (kind == c10::TypeKind::MemoryFormatType) {
+      return py::reinterpret_borrow<py::object>(
+          torch::utils::getTHPMemoryFormat(static_cast<c10::MemoryFormat>(v.toInt())));
+    }
+    return torch::jit::toPyObject(v);
+  }
+
+  static void push_return(Stack* stack, py::handle o, const c10::TypePtr& type) {
+    if (o.is_none() && type->kind() == c10::TypeKind::TensorType) stack->emplace_back(at::Tensor());
+    else stack->push_back(torch::jit::toIValue(o, type));
+  }
+
+  size_t count_positional() const {
+    size_t c = 0;
+    for (bool k : kwarg_only) c += !k;
+    return c;
+  }
+
+  void learn(const Key& key, const py::tuple& args, const py::dict& kwargs) {
+    py::object exe = py::reinterpret_steal<py::object>(PyObject_Call(lookup, args.ptr(), kwargs.ptr()));
+    if (!exe) {
+      PyErr_Clear();
+      return;
+    }
+    auto e = std::make_shared<Entry>();
+    if (exe.is_none()) {
+      e->python_only = true;
+    } else {
+      py::object aten = py::getattr(exe, "__neuron_aten__", py::none());
+      if (!aten.is_none()) {
+        auto name = op_name(aten.cast<std::string>());
+        auto dot = name.find('.');
+        auto handle = c10::Dispatcher::singleton().findSchema(
+            {"aten::" + name.substr(0, dot), dot == std::string::npos ? "" : name.substr(dot + 1)});
+        if (!handle) return;
+        e->aten = *handle;
+      }
+      e->exe = exe.release().ptr();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    int64_t g = g_generation.load();
+    if (generation != g) {
+      table.clear();
+      generation = g;
+    }
+    table.emplace(key, std::move(e));
+  }
+};
+
+void register_compute(const std::string& qualname, std::vector<int> kinds, std::vector<bool> kwarg_only,
+                      std::vector<std::string> names, int mutated, size_t n_returns, py::object kernel,
+                      py::object lookup) {
+  auto state = std::make_unique<OpState>();
+  state->qualname = qualname;
+  state->kinds = std::move(kinds);
+  state->kwarg_only = std::move(kwarg_only);
+  state->names = std::move(names);
+  state->mutated = mutated;
+  state->n_returns = n_returns;
+  state->kernel = kernel.release().ptr();
+  state->lookup = lookup.release().ptr();
+  state->generation = g_generation.load();
+  Quiet quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  library().impl(op_name(qualname).c_str(),
+                 torch::CppFunction::makeFromBoxedKernel(c10::BoxedKernel::makeFromFunctor(std::move(state))));
+}
+
+// Forget every executable (the Python side cleared or evicted its own): entries are dropped lazily,
+// by generation, so the hit path never waits for a sweep.
+void clear() { g_generation.fetch_add(1); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "neuron-runtime's native hit path";
+  m.def("to_neuron", &to_neuron, "A neuron tensor over a CPU tensor's memory");
+  m.def("to_cpu", &to_cpu, "A CPU tensor over a neuron tensor's memory");
+  m.def("register_view", &register_view);
+  m.def("register_compute", &register_compute);
+  m.def("clear", &clear);
+  m.def("executions", []() { return g_executions.load(); }, "Hits served natively since reset_counters()");
+  m.def("reset_counters", []() { g_executions.store(0); });
+}

@@ -1,0 +1,130 @@
+"""The native hit path (`neuron_runtime/_native`): it serves hits the Python kernels would serve, the same
+way, and hands everything else to them."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import neuron_runtime
+from neuron_runtime import _dispatch, _hostmem, _native
+from rt_helpers import DEV, assert_same, fresh_runtime, run_python, run_script
+
+JOB = Path(__file__).resolve().parent.parent / "jobs" / "train_small.py"
+_ = fresh_runtime
+
+native = pytest.mark.skipif(_hostmem.NATIVE is None, reason=f"native layer not loaded: {_native.status()}")
+
+
+def test_the_suite_runs_on_the_native_layer() -> None:
+    # `make test` builds it: a suite that silently ran the Python path would test the wrong thing.
+    assert _hostmem.NATIVE is not None, _native.status()
+    assert _native.status().startswith("loaded")
+
+
+@native
+def test_hits_run_natively_and_are_counted(fresh_runtime: _dispatch.Runtime) -> None:
+    a, b = torch.randn(64), torch.randn(64)
+    na, nb = a.to(DEV), b.to(DEV)
+    assert_same(a + b, na + nb)  # the op's first call: the Python kernel compiles
+    assert_same(a + b, na + nb)  # the native kernel's first call: a miss, it learns the executable
+    before = _hostmem.NATIVE.executions()
+    for _ in range(10):
+        out = na + nb
+    assert _hostmem.NATIVE.executions() - before == 10
+    assert_same(a + b, out)
+    s = neuron_runtime.stats()
+    assert s["loads"] == 1 and s["executions"] == 12 and s["hits"]["memory"] == 11
+
+
+@native
+def test_reset_forgets_native_entries(fresh_runtime: _dispatch.Runtime) -> None:
+    x = torch.randn(8, device=DEV)
+    torch.sin(x), torch.sin(x)
+    rt = _dispatch.reset_runtime()
+    torch.sin(x)
+    assert rt.stats()["loads"] == 1  # not served from the old runtime's table
+
+
+@native
+def test_native_hits_keep_device_semantics(fresh_runtime: _dispatch.Runtime) -> None:
+    for _ in range(3):  # first call: Python kernel; then native hits
+        base_c = torch.arange(12.0).reshape(3, 4)
+        base_n = base_c.to(DEV)
+        v_c, v_n = base_c[1], base_n[1]  # a view (native view kernel) mutated in place (native hit)
+        v_c.mul_(2).add_(1, alpha=3)
+        r = v_n.mul_(2).add_(1, alpha=3)
+        assert r is v_n and v_n._base is base_n
+        assert_same(base_c, base_n)
+        x_c = torch.randn(5, dtype=torch.float64)
+        x_n = x_c.to(DEV)
+        assert_same(x_c * 2, x_n * 2)                # wrapped numbers: int, float, bool, complex
+        assert_same(x_c + 0.5, x_n + 0.5)
+        assert_same(x_c * True, x_n * True)
+        assert_same(x_c * 1j, x_n * 1j)
+        assert_same(x_c.sum(dtype=torch.float32), x_n.sum(dtype=torch.float32))  # dtype argument
+        assert_same(x_c.t().contiguous(), x_n.t().contiguous())
+        assert_same(torch.max(x_c.reshape(5, 1), 1), torch.max(x_n.reshape(5, 1), 1))  # two outputs
+        assert_same(x_c.to(torch.float16), x_n.to(torch.float16))
+
+
+@native
+def test_errors_on_a_hit_are_the_users_errors(fresh_runtime: _dispatch.Runtime) -> None:
+    idx_ok = torch.tensor([0, 1], device=DEV)
+    x = torch.randn(3, 4, device=DEV)
+    for _ in range(2):
+        torch.index_select(x, 0, idx_ok)
+    bad = torch.tensor([0, 7], device=DEV)  # same key, out of range: raised by the hit's executable
+    with pytest.raises(IndexError, match="out of range"):
+        torch.index_select(x, 0, bad)
+    assert_same(torch.index_select(x.cpu(), 0, idx_ok.cpu()), torch.index_select(x, 0, idx_ok))
+    assert neuron_runtime.fallback_ops() == []
+
+
+@native
+def test_concurrent_hits(fresh_runtime: _dispatch.Runtime) -> None:
+    xs = [torch.randn(32) for _ in range(4)]
+    expected = [torch.relu(x * 3 + 1) for x in xs]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            x = xs[i].to(DEV)
+            for _ in range(300):
+                y = torch.relu(x * 3 + 1)
+            torch.testing.assert_close(y.cpu(), expected[i])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_python_path_gives_the_same_training(tmp_path: Path) -> None:
+    # The whole job with and without the native layer: same losses, same executables.
+    results = {}
+    for flag in ("1", "0"):
+        out = tmp_path / f"native{flag}.json"
+        r = run_script(str(JOB), env={"TORCH_NEURONX_NATIVE": flag, "TORCH_NEURONX_COMPILER": "reference",
+                                      "JOB_STEPS": "5", "JOB_OUT": str(out),
+                                      "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(tmp_path / "cache")})
+        assert r.returncode == 0, r.stderr
+        results[flag] = json.loads(out.read_text())
+    assert results["1"]["loss"] == results["0"]["loss"]
+    assert results["1"]["keys"] == results["0"]["keys"]
+
+
+def test_disabled_native_layer_is_reported() -> None:
+    r = run_python("import json, torch\nfrom neuron_runtime import _hostmem, collect_env\n"
+                   "print(json.dumps([_hostmem.NATIVE is None, collect_env.collect()['device']['native_hit_path']]))",
+                   env={"TORCH_NEURONX_NATIVE": "0"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [True, "disabled by TORCH_NEURONX_NATIVE=0"]
