@@ -120,7 +120,8 @@ def _lazy(qualname: str) -> Callable[..., Any]:
 _installed: set[str] = set()
 
 # Argument kinds the native hit path serves (`fastpath.cpp`'s Kind), and nothing else.
-_NATIVE_KINDS = {_ops.TENSOR: 0, _ops.OPT_TENSOR: 1, _ops.SCALAR: 2, _ops.VALUE: 3}
+_NATIVE_KINDS = {_ops.TENSOR: 0, _ops.OPT_TENSOR: 1, _ops.SCALAR: 2, _ops.VALUE: 3, _ops.TENSORS: 4,
+                 _ops.SCALARS: 5}
 
 
 def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
@@ -139,21 +140,25 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
     mutated = info.args.index(next(a for a in info.args if a.name == info.mutable[0])) if info.mutable else -1
     native.register_compute(qualname, [_NATIVE_KINDS[a.kind] for a in info.args],
                             [a.kwarg_only for a in info.args], [a.name for a in info.args], mutated,
-                            info.n_returns, kernel, lookup)
+                            info.n_returns, info.returns_list, kernel, lookup)
     return True
 
 
 def _native_eligible(info: _ops.OpInfo) -> bool:
-    """Ops whose arguments are single tensors, Scalars and structural values, returning tensors: a
-    functional op, or an in-place one writing one tensor argument and returning it."""
+    """Ops whose arguments are tensors, tensor lists, Scalars and structural values, returning tensors
+    (or one list): a functional op, or an in-place one writing one tensor (returned) or one list."""
     if any(a.kind not in _NATIVE_KINDS for a in info.args):
         return False
-    if any(str(r.type) != "Tensor" for r in info.op._schema.returns) or info.returns_list:
-        return False
+    returns = [str(r.type) for r in info.op._schema.returns]
     if info.kind == "compute":
-        return info.n_returns >= 1
-    if info.kind != "mutating" or len(info.mutable) != 1 or info.functional is None:
+        return returns == ["List[Tensor]"] if info.returns_list else bool(returns) and \
+            all(r == "Tensor" for r in returns)
+    if info.kind != "mutating" or len(info.mutable) != 1 or info.functional is None or \
+            len(info.functional.args) != len(info.args):
         return False
     m = next(a for a in info.args if a.name == info.mutable[0])
-    return (not m.kwarg_only and m.kind == _ops.TENSOR and info.n_returns == 1
-            and info.returns_args == [m.name] and len(info.functional.args) == len(info.args))
+    if m.kwarg_only:
+        return False
+    if m.kind == _ops.TENSOR:
+        return returns == ["Tensor"] and info.returns_args == [m.name]
+    return m.kind == _ops.TENSORS and not returns and info.functional.returns_list

@@ -88,15 +88,43 @@ void register_view(const std::string& qualname) {
 // ---------------------------------------------------------------------------------------------------
 // Compute and in-place ops.
 // ---------------------------------------------------------------------------------------------------
-enum Kind : int { TENSOR = 0, OPT_TENSOR = 1, SCALAR = 2, VALUE = 3 };
+enum Kind : int { TENSOR = 0, OPT_TENSOR = 1, SCALAR = 2, VALUE = 3, TENSORS = 4, SCALARS = 5 };
+
+using Key = std::vector<int64_t>;
 
 // Key words: a tag per argument, then its content. Tags keep e.g. int 1, float 1.0 and True apart.
 enum Tag : int64_t {
   T_NONE = -1, T_TENSOR = -2, T_WRAPPED = -3, T_INT = -4, T_DOUBLE = -5, T_BOOL = -6, T_COMPLEX = -7,
-  T_INTLIST = -8, T_STRING = -9, T_DEVICE = -10, T_DOUBLELIST = -11, T_BOOLLIST = -12,
+  T_INTLIST = -8, T_STRING = -9, T_DEVICE = -10, T_DOUBLELIST = -11, T_BOOLLIST = -12, T_LIST = -13,
 };
 
-using Key = std::vector<int64_t>;
+// The key words of a neuron tensor; false for anything else (the Python kernel decides those).
+inline bool tensor_words(const at::Tensor& t, Key& key) {
+  if (!t.defined()) return false;
+  auto* impl = t.unsafeGetTensorImpl();
+  if (impl->device_type() != c10::DeviceType::PrivateUse1 || impl->is_conj() || impl->is_neg() ||
+      impl->layout() != c10::kStrided || impl->is_wrapped_number()) {
+    return false;
+  }
+  key.push_back(T_TENSOR);
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  auto sizes = impl->sizes();
+  auto strides = impl->strides();
+  key.push_back(static_cast<int64_t>(sizes.size()));
+  key.insert(key.end(), sizes.begin(), sizes.end());
+  key.insert(key.end(), strides.begin(), strides.end());
+  return true;
+}
+
+inline bool scalar_word(const c10::IValue& v, Key& key) {  // a run-time Scalar: its type only
+  if (v.isDouble()) key.push_back(T_DOUBLE);
+  else if (v.isInt()) key.push_back(T_INT);
+  else if (v.isBool()) key.push_back(T_BOOL);
+  else if (v.isComplexDouble()) key.push_back(T_COMPLEX);
+  else if (v.isNone()) key.push_back(T_NONE);
+  else return false;
+  return true;
+}
 
 struct KeyHash {
   size_t operator()(const Key& k) const noexcept {
@@ -138,6 +166,7 @@ struct OpState final : c10::OperatorKernel {
   std::vector<std::string> names;    // per schema argument
   int mutated = -1;                  // in-place: the argument the op writes (and returns)
   size_t n_returns = 0;
+  bool returns_list = false;         // a single Tensor[] return
   PyObject* kernel = nullptr;        // the Python kernel (never released: states live for the process)
   PyObject* lookup = nullptr;        // lookup(*args, **kwargs) -> executable the Python kernel uses, or None
   std::mutex mu;
@@ -152,42 +181,49 @@ struct OpState final : c10::OperatorKernel {
       switch (kinds[i]) {
         case TENSOR:
         case OPT_TENSOR: {
-          if (v.isNone()) {
+          if (v.isNone() || (v.isTensor() && !v.toTensor().defined())) {  // C++ callers pass undefined
             if (kinds[i] != OPT_TENSOR) return false;
             key.push_back(T_NONE);
             break;
           }
           if (!v.isTensor()) return false;
           const at::Tensor& t = v.toTensor();
-          if (!t.defined()) return false;
-          auto* impl = t.unsafeGetTensorImpl();
-          if (impl->is_wrapped_number()) {
+          if (t.defined() && t.unsafeGetTensorImpl()->is_wrapped_number()) {
             if (kinds[i] != TENSOR) return false;
             key.push_back(T_WRAPPED);
             key.push_back(static_cast<int64_t>(t.scalar_type()));
             break;
           }
-          if (impl->device_type() != c10::DeviceType::PrivateUse1 || impl->is_conj() || impl->is_neg() ||
-              impl->layout() != c10::kStrided) {
-            return false;
+          if (!tensor_words(t, key)) return false;
+          break;
+        }
+        case TENSORS: {
+          if (!v.isTensorList()) return false;
+          const auto& l = v.toTensorList();
+          key.push_back(T_LIST);
+          key.push_back(static_cast<int64_t>(l.size()));
+          for (const at::Tensor& t : l) {
+            if (!tensor_words(t, key)) return false;
           }
-          key.push_back(T_TENSOR);
-          key.push_back(static_cast<int64_t>(t.scalar_type()));
-          auto sizes = impl->sizes();
-          auto strides = impl->strides();
-          key.push_back(static_cast<int64_t>(sizes.size()));
-          key.insert(key.end(), sizes.begin(), sizes.end());
-          key.insert(key.end(), strides.begin(), strides.end());
           break;
         }
         case SCALAR:
-          if (v.isDouble()) key.push_back(T_DOUBLE);
-          else if (v.isInt()) key.push_back(T_INT);
-          else if (v.isBool()) key.push_back(T_BOOL);
-          else if (v.isComplexDouble()) key.push_back(T_COMPLEX);
-          else if (v.isNone()) key.push_back(T_NONE);
-          else return false;
+          if (!scalar_word(v, key)) return false;
           break;
+        case SCALARS: {
+          if (v.isNone()) {
+            key.push_back(T_NONE);
+            break;
+          }
+          if (!v.isList()) return false;
+          const auto& l = v.toListRef();
+          key.push_back(T_LIST);
+          key.push_back(static_cast<int64_t>(l.size()));
+          for (const c10::IValue& x : l) {
+            if (!scalar_word(x, key)) return false;
+          }
+          break;
+        }
         case VALUE:
           if (!value_words(v, key)) return false;
           break;
@@ -274,28 +310,45 @@ struct OpState final : c10::OperatorKernel {
         cpu.reserve(n);
         for (size_t i = 0; i < n; ++i) {
           const c10::IValue& v = (*stack)[base + i];
-          if ((kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) && v.isTensor() &&
+          if ((kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) && v.isTensor() && v.toTensor().defined() &&
               !v.toTensor().unsafeGetTensorImpl()->is_wrapped_number()) {
             cpu.emplace_back(to_cpu(v.toTensor()));
+          } else if (kinds[i] == TENSORS) {
+            c10::List<at::Tensor> l;
+            l.reserve(v.toTensorList().size());
+            for (const at::Tensor& t : v.toTensorList()) l.push_back(to_cpu(t));
+            cpu.emplace_back(std::move(l));
           } else {
             cpu.push_back(v);
           }
         }
         e.aten->redispatchBoxed(kCpuKeys, &cpu);
         outs.reserve(cpu.size());
-        for (auto& r : cpu) outs.push_back(r.isTensor() ? r.toTensor() : at::Tensor());
+        for (auto& r : cpu) {
+          if (r.isTensorList()) {
+            for (const at::Tensor& t : r.toTensorList()) outs.push_back(t);
+          } else {
+            outs.push_back(r.isTensor() ? r.toTensor() : at::Tensor());
+          }
+        }
       } else {
         py::gil_scoped_acquire gil;
         py::list tensors, scalars;
         for (size_t i = 0; i < n; ++i) {
           const c10::IValue& v = (*stack)[base + i];
           if (kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) {
-            if (!v.isTensor()) continue;
+            if (!v.isTensor() || !v.toTensor().defined()) continue;  // an absent optional tensor
             const at::Tensor& t = v.toTensor();
             if (t.unsafeGetTensorImpl()->is_wrapped_number()) tensors.append(number(t));
             else tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(to_cpu(t))));
+          } else if (kinds[i] == TENSORS) {
+            for (const at::Tensor& t : v.toTensorList()) {
+              tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(to_cpu(t))));
+            }
           } else if (kinds[i] == SCALAR && !v.isNone()) {
             scalars.append(torch::jit::toPyObject(v));
+          } else if (kinds[i] == SCALARS && !v.isNone()) {
+            for (const c10::IValue& x : v.toListRef()) scalars.append(torch::jit::toPyObject(x));
           }
         }
         py::object r = py::reinterpret_steal<py::object>(
@@ -310,19 +363,34 @@ struct OpState final : c10::OperatorKernel {
           else return false;
         }
       }
-      if (outs.size() < std::max<size_t>(n_returns, mutated >= 0 ? 1 : 0)) return false;
       if (mutated >= 0) {
-        const at::Tensor& target = (*stack)[base + mutated].toTensor();
-        to_cpu(target).copy_(outs[0]);
-        c10::IValue self = (*stack)[base + mutated];
+        const c10::IValue& target = (*stack)[base + mutated];
+        if (target.isTensorList()) {  // `_foreach_add_`: every result into its list element
+          const auto& l = target.toTensorList();
+          if (outs.size() != l.size()) return false;
+          for (size_t j = 0; j < l.size(); ++j) to_cpu(l.get(j)).copy_(outs[j]);
+          torch::jit::drop(*stack, n);
+          return true;
+        }
+        if (outs.empty()) return false;
+        to_cpu(target.toTensor()).copy_(outs[0]);
+        c10::IValue self = target;
         torch::jit::drop(*stack, n);
         stack->push_back(std::move(self));
         return true;
       }
+      if (!returns_list && outs.size() < n_returns) return false;
     } catch (const std::exception&) {
       return false;
     }
     torch::jit::drop(*stack, n);
+    if (returns_list) {
+      c10::List<at::Tensor> l;
+      l.reserve(outs.size());
+      for (const at::Tensor& o : outs) l.push_back(to_neuron(o));
+      stack->emplace_back(std::move(l));
+      return true;
+    }
     for (size_t i = 0; i < n_returns; ++i) {
       stack->emplace_back(outs[i].defined() ? to_neuron(outs[i]) : at::Tensor());
     }
@@ -434,8 +502,8 @@ struct OpState final : c10::OperatorKernel {
 };
 
 void register_compute(const std::string& qualname, std::vector<int> kinds, std::vector<bool> kwarg_only,
-                      std::vector<std::string> names, int mutated, size_t n_returns, py::object kernel,
-                      py::object lookup) {
+                      std::vector<std::string> names, int mutated, size_t n_returns, bool returns_list,
+                      py::object kernel, py::object lookup) {
   auto state = std::make_unique<OpState>();
   state->qualname = qualname;
   state->kinds = std::move(kinds);
@@ -443,6 +511,7 @@ void register_compute(const std::string& qualname, std::vector<int> kinds, std::
   state->names = std::move(names);
   state->mutated = mutated;
   state->n_returns = n_returns;
+  state->returns_list = returns_list;
   state->kernel = kernel.release().ptr();
   state->lookup = lookup.release().ptr();
   state->generation = g_generation.load();

@@ -73,6 +73,22 @@ def test_native_hits_keep_device_semantics(fresh_runtime: _dispatch.Runtime) -> 
 
 
 @native
+def test_native_hits_on_tensor_lists(fresh_runtime: _dispatch.Runtime) -> None:
+    cs = [torch.randn(4, 3), torch.randn(5)]
+    ns = [c.to(DEV) for c in cs]
+    for _ in range(3):  # the third round is all hits: mul_, 2 (mul, add), addcdiv_, 2 mul, sqrt, cat
+        before = _hostmem.NATIVE.executions()
+        torch._foreach_mul_(cs, 0.5)                    # one list mutated, returns nothing
+        torch._foreach_mul_(ns, 0.5)
+        torch._foreach_addcdiv_(cs, cs, [c * c + 1 for c in cs], [0.1, 0.2])  # Scalar[] at run time
+        torch._foreach_addcdiv_(ns, ns, [n * n + 1 for n in ns], [0.1, 0.2])
+        assert_same(cs, ns)
+        assert_same(torch._foreach_sqrt([c * c for c in cs]), torch._foreach_sqrt([n * n for n in ns]))
+        assert_same(torch.cat([cs[0].flatten(), cs[1]]), torch.cat([ns[0].flatten(), ns[1]]))
+    assert _hostmem.NATIVE.executions() - before == 10
+
+
+@native
 def test_errors_on_a_hit_are_the_users_errors(fresh_runtime: _dispatch.Runtime) -> None:
     idx_ok = torch.tensor([0, 1], device=DEV)
     x = torch.randn(3, 4, device=DEV)
