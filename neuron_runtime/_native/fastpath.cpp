@@ -14,9 +14,11 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Storage.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/tensor_memoryformats.h>
 
@@ -142,10 +144,17 @@ inline int64_t bits_of(double d) {
   return b;
 }
 
-// An executable the Python slow path made for a key. `aten` is set for a `reference` executable (the
-// functional aten op on host memory): it runs without Python. Otherwise `exe(tensors, scalars)` is called.
+// An executable the Python slow path made for a key, run without Python when it says how:
+//   aten    a `reference` executable: the functional aten op on host memory;
+//   runner  an `aoti` executable: AOTInductor's container runner, called with the tensors, then each
+//           run-time Scalar as a 0-d tensor of `scalar_dtypes`; numbers in tensor slots (`wrapped`, by
+//           index in the tensor list) as 0-d tensors of their dtype;
+// otherwise `exe(tensors, scalars)` is called (one Python call).
 struct Entry {
   std::optional<c10::OperatorHandle> aten;
+  torch::inductor::AOTIModelContainerRunner* runner = nullptr;  // owned by `exe` (its Python loader)
+  std::vector<c10::ScalarType> scalar_dtypes;
+  std::vector<std::pair<size_t, c10::ScalarType>> wrapped;
   PyObject* exe = nullptr;  // strong reference; the GIL is taken to release it
   bool python_only = false;  // the slow path keeps no executable for this key (a host fallback)
   ~Entry() {
@@ -331,6 +340,36 @@ struct OpState final : c10::OperatorKernel {
             outs.push_back(r.isTensor() ? r.toTensor() : at::Tensor());
           }
         }
+      } else if (e.runner != nullptr) {
+        std::vector<at::Tensor> in;
+        in.reserve(n + e.scalar_dtypes.size());
+        size_t k = 0;
+        for (size_t i = 0; i < n; ++i) {
+          const c10::IValue& v = (*stack)[base + i];
+          if (kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) {
+            if (!v.isTensor() || !v.toTensor().defined()) continue;
+            const at::Tensor& t = v.toTensor();
+            in.push_back(t.unsafeGetTensorImpl()->is_wrapped_number() ? t : to_cpu(t));
+          } else if (kinds[i] == TENSORS) {
+            for (const at::Tensor& t : v.toTensorList()) in.push_back(to_cpu(t));
+          } else if (kinds[i] == SCALAR && !v.isNone()) {
+            if (k >= e.scalar_dtypes.size()) return false;
+            in.push_back(at::scalar_tensor(v.toScalar(), at::TensorOptions().dtype(e.scalar_dtypes[k++])));
+          } else if (kinds[i] == SCALARS && !v.isNone()) {
+            for (const c10::IValue& x : v.toListRef()) {
+              if (k >= e.scalar_dtypes.size()) return false;
+              in.push_back(at::scalar_tensor(x.toScalar(), at::TensorOptions().dtype(e.scalar_dtypes[k++])));
+            }
+          }
+        }
+        for (const auto& [i, dtype] : e.wrapped) {
+          if (i >= in.size() || !in[i].unsafeGetTensorImpl()->is_wrapped_number()) return false;
+          in[i] = at::scalar_tensor(in[i].item(), at::TensorOptions().dtype(dtype));
+        }
+        for (const at::Tensor& t : in) {
+          if (t.unsafeGetTensorImpl()->is_wrapped_number()) return false;  // a slot the artifact does not know
+        }
+        outs = e.runner->run(in);
       } else {
         py::gil_scoped_acquire gil;
         py::list tensors, scalars;
@@ -488,6 +527,22 @@ struct OpState final : c10::OperatorKernel {
             {"aten::" + name.substr(0, dot), dot == std::string::npos ? "" : name.substr(dot + 1)});
         if (!handle) return;
         e->aten = *handle;
+      }
+      py::object aoti = py::getattr(exe, "__neuron_aoti__", py::none());
+      if (!aoti.is_none() && !e->aten) {
+        try {
+          auto t = aoti.cast<py::tuple>();
+          e->runner = t[0].cast<torch::inductor::AOTIModelContainerRunnerCpu*>();
+          for (py::handle d : t[1]) e->scalar_dtypes.push_back(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type);
+          for (py::handle w : t[2]) {
+            auto pair = w.cast<py::tuple>();
+            e->wrapped.emplace_back(pair[0].cast<size_t>(), reinterpret_cast<THPDtype*>(pair[1].ptr())->scalar_type);
+          }
+        } catch (const std::exception&) {  // not the runner type this build knows: one Python call instead
+          e->runner = nullptr;
+          e->scalar_dtypes.clear();
+          e->wrapped.clear();
+        }
       }
       e->exe = exe.release().ptr();
     }

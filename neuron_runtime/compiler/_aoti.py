@@ -229,8 +229,13 @@ class AotiCompiler(Compiler):
         except _toolchain.ToolchainError as e:
             raise ArtifactMismatch(f"{meta['signature']['op']}: {e}") from e
         loader = _load_package(members, self.scratch())
-        return _make_executable(loader, meta["signature"]["op"], meta["scalar_types"],
-                                [(int(i), str(d)) for i, d in meta.get("wrapped", [])])
+        wrapped = [(int(i), str(d)) for i, d in meta.get("wrapped", [])]
+        exe = _make_executable(loader, meta["signature"]["op"], meta["scalar_types"], wrapped)
+        # How the native hit path calls the runner itself: tensors, then each run-time Scalar as a 0-d
+        # tensor of these dtypes; numbers in tensor slots (by index) as 0-d tensors of theirs.
+        exe.__neuron_aoti__ = (loader, [_SCALAR_DTYPES[t] for t in meta["scalar_types"]],  # type: ignore[attr-defined]
+                               [(i, _WRAPPED_DTYPES[d]) for i, d in wrapped])
+        return exe
 
 
 # -- compile steps ----------------------------------------------------------------------------------
