@@ -694,7 +694,11 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     else:  # an output may be undefined (None), e.g. a backward op with a False output_mask entry
         lines.append("    return tuple([None if _zo is None else _zW(_zo) for _zo in _zouts])")
     # The executable a call would use, or None (the native hit path learns its entries from this).
-    lines += ["", f"def lookup({sig}):"] + ["    " + b for b in key_lines] + [f"    return _zEG({key})"]
+    lines += ["", f"def lookup({sig}):"] + ["    " + b for b in key_lines]
+    if can_queue:  # and whether fusion still queues this call (then the native kernel hands it over)
+        lines += [f"    _zkey = {key}", "    return (_zEG(_zkey), _zQUEUES(_zINFO, _zkey))"]
+    else:
+        lines.append(f"    return _zEG({key})")
     src = "\n".join(lines) + "\n"
     exes: dict[Any, Executable] = {}
     _EXES[info.qualname] = (info, exes)
@@ -703,6 +707,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         "_zEXES": exes, "_zRT": runtime, "_zINFO": info, "_zW": wrap, "_zN": FAST,
         "_zCB": _copy_back_out, "_zCBA": _copy_back_all, "_zNUM": NUMBERS, "_zFC": torch._foreach_copy_,
         "_zPENDING": _fusion.PENDING, "_zFLUSH": _fusion.flush, "_zSUBMIT": _fusion.submit,
+        "_zQUEUES": _fusion.queues,
     }
     exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
     kernel: Callable[..., Any] = scope["kernel"]

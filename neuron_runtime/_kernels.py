@@ -126,9 +126,10 @@ _NATIVE_KINDS = {_ops.TENSOR: 0, _ops.OPT_TENSOR: 1, _ops.SCALAR: 2, _ops.VALUE:
 
 def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
     """Register the native kernel of `qualname` in place of `kernel` if it can serve the op's hit path
-    (`_native`); it calls `kernel` for everything else. With fusion on, the Python kernels queue ops."""
+    (`_native`); it calls `kernel` for everything else. With fusion on, the calls fusion queues go to
+    `kernel` too (its lookup says which), and native kernels run the queue before anything else."""
     native = _hostmem.NATIVE
-    if native is None or _dispatch.runtime().fusion is not None or qualname in _special.KERNELS:
+    if native is None or qualname in _special.KERNELS:
         return False
     info = _ops.classify(qualname)
     if info.kind == "view":

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import _ops
+from . import _hostmem, _ops
 
 
 def fusible(info: _ops.OpInfo) -> bool:
@@ -68,9 +68,16 @@ class Fusion:
         self.sigs: dict[tuple[str, Any], dict[str, Any]] = {}
         self.seen: dict[Any, int] = {}
         self.fused: dict[Any, Any] = {}       # (structure, live outputs) -> executable | UNFUSIBLE
+        # Per (op, key): flushes it was in, and whether one of them held other ops too. An op that
+        # always flushes alone has nothing to fuse with: after min_seen flushes it is no longer queued.
+        self.flushed: dict[tuple[str, Any], int] = {}
+        self.grouped: set[tuple[str, Any]] = set()
+        self.solo: set[tuple[str, Any]] = set()
         self.stats: dict[str, Any] = {"groups_fused": 0, "ops_fused": 0, "fused_executions": 0,
-                                      "ops_buffered": 0, "outputs_not_materialised": 0, "flushes": {}}
+                                      "ops_buffered": 0, "outputs_not_materialised": 0, "ops_not_queued": 0,
+                                      "flushes": {}}
         del PENDING[:]
+        _native_pending(False)
 
     # -- what the slow path teaches us -----------------------------------------------------------
     def learn(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any], out: torch.Tensor) -> None:
@@ -82,7 +89,7 @@ class Fusion:
     def submit(self, info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any]) -> Any:
         """Queue one op; its (not yet computed) neuron output, or None to run it now instead."""
         meta = self.outmeta.get((info.qualname, key))
-        if meta is None:
+        if meta is None or (info.qualname, key) in self.solo:
             if PENDING:
                 self.flush("unseen_op")
             return None
@@ -104,6 +111,8 @@ class Fusion:
             self.producers[id(out)] = len(PENDING)
             self.pending_ptrs.add(out.data_ptr())
             PENDING.append(_Node(info, key, exe, ins, scalars, out))
+            if len(PENDING) == 1:
+                _native_pending(True)
             self.stats["ops_buffered"] += 1
             if len(PENDING) >= self.limit:
                 self.flush("buffer_limit")
@@ -120,6 +129,7 @@ class Fusion:
                 return
             nodes = list(PENDING)
             del PENDING[:]
+            _native_pending(False)
             producers = self.producers
             self.producers, self.pending_ptrs, self.mode = {}, set(), None
             flushes = self.stats["flushes"]
@@ -141,6 +151,7 @@ class Fusion:
                 structure.append((node.info.qualname, node.key, tuple(wiring)))
             group = tuple(structure)
             seen = self.seen[group] = self.seen.get(group, 0) + 1
+            self._note_flushed(nodes)
             # `out` is referenced by the neuron tensor's storage (and so by its views and by autograd's
             # saved tensors) for as long as anything can read it; our own references add no use count.
             live = tuple(j for j, node in enumerate(nodes) if node.out._use_count() > 1)
@@ -149,6 +160,24 @@ class Fusion:
                 if self._run_fused(group, nodes, ext, live):
                     return
             self._run_each(nodes)
+
+    def queues(self, info: _ops.OpInfo, key: Any) -> bool:
+        """Whether calls of this op and key are queued (the native hit path asks once per key)."""
+        return (info.qualname, key) not in self.solo
+
+    def _note_flushed(self, nodes: list[_Node]) -> None:
+        alone = len(nodes) == 1
+        for node in nodes:
+            k = (node.info.qualname, node.key)
+            if not alone:
+                self.grouped.add(k)
+            elif k not in self.grouped and k not in self.solo:
+                n = self.flushed[k] = self.flushed.get(k, 0) + 1
+                if n >= self.min_seen:
+                    self.solo.add(k)
+                    self.stats["ops_not_queued"] += 1
+                    if _hostmem.NATIVE is not None:
+                        _hostmem.NATIVE.clear()  # native kernels ask again: this key runs natively now
 
     def _run_each(self, nodes: list[_Node]) -> None:
         for node in nodes:
@@ -200,10 +229,22 @@ def submit(info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[
     return _fusion.submit(info, key, exe, ins, scalars)
 
 
+def queues(info: _ops.OpInfo, key: Any) -> bool:
+    """The generated lookups' entry (see `Fusion.queues`)."""
+    return _fusion is not None and _fusion.queues(info, key)
+
+
 def install(runtime: Any) -> Fusion | None:
     """Called by the runtime: a Fusion when the flag is on, else None (and nothing changes)."""
     global _fusion
     if _fusion is not None:
         _fusion.flush("reset")
     _fusion = Fusion(runtime) if runtime.cfg.concatenation else None
+    if _hostmem.NATIVE is not None:  # native kernels run the queue before any op they serve
+        _hostmem.NATIVE.set_flush(flush if _fusion is not None else None)
     return _fusion
+
+
+def _native_pending(pending: bool) -> None:
+    if _hostmem.NATIVE is not None:
+        _hostmem.NATIVE.set_pending(pending)

@@ -72,7 +72,29 @@ torch::Library& library() {
   return *lib;
 }
 
+// Fusion (TORCH_NEURONX_ENABLE_CONCATENATION=1) queues pointwise ops in Python; every other op must
+// run them first. `g_pending` mirrors "the queue is not empty"; `g_flush(reason)` runs it.
+std::atomic<bool> g_pending{false};
+PyObject* g_flush = nullptr;
+
+void flush_queued(const c10::OperatorHandle& op) {
+  py::gil_scoped_acquire gil;
+  if (g_flush == nullptr) return;
+  const auto& name = op.operator_name();
+  std::string reason = "op:" + name.name + (name.overload_name.empty() ? "" : "." + name.overload_name);
+  py::object r = py::reinterpret_steal<py::object>(PyObject_CallFunction(g_flush, "s", reason.c_str()));
+  if (!r) throw python_error();
+}
+
+void set_flush(py::object flush) {
+  PyObject* old = g_flush;
+  g_flush = flush.is_none() ? nullptr : flush.release().ptr();
+  Py_XDECREF(old);
+  g_pending.store(false);
+}
+
 void view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
+  if (g_pending.load(std::memory_order_relaxed)) flush_queued(op);
   op.redispatchBoxed(kCpuKeys, stack);
 }
 
@@ -156,7 +178,8 @@ struct Entry {
   std::vector<c10::ScalarType> scalar_dtypes;
   std::vector<std::pair<size_t, c10::ScalarType>> wrapped;
   PyObject* exe = nullptr;  // strong reference; the GIL is taken to release it
-  bool python_only = false;  // the slow path keeps no executable for this key (a host fallback)
+  bool python_only = false;  // the slow path keeps no executable for this key (a host fallback), or
+                             // fusion queues these calls (its Python kernel does)
   ~Entry() {
     if (exe != nullptr && Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
@@ -299,6 +322,8 @@ struct OpState final : c10::OperatorKernel {
     bool keyed = build_key(*stack, base, key);
     if (keyed) {
       std::shared_ptr<Entry> e = find(key);
+      // Queued ops run first (the Python kernel sees to that itself on the other paths).
+      if (e && !e->python_only && g_pending.load(std::memory_order_relaxed)) flush_queued(op);
       if (e && !e->python_only && run(*e, stack, base)) {
         g_executions.fetch_add(1, std::memory_order_relaxed);
         return;
@@ -516,7 +541,12 @@ struct OpState final : c10::OperatorKernel {
       return;
     }
     auto e = std::make_shared<Entry>();
-    if (exe.is_none()) {
+    if (PyTuple_Check(exe.ptr())) {  // (executable, whether fusion queues this call)
+      auto t = exe.cast<py::tuple>();
+      e->python_only = t[1].cast<bool>();
+      exe = t[0];
+    }
+    if (e->python_only || exe.is_none()) {
       e->python_only = true;
     } else {
       py::object aten = py::getattr(exe, "__neuron_aten__", py::none());
@@ -589,6 +619,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_view", &register_view);
   m.def("register_compute", &register_compute);
   m.def("clear", &clear);
+  m.def("set_flush", &set_flush, "fusion's flush(reason), or None when fusion is off");
+  m.def("set_pending", [](bool pending) { g_pending.store(pending); }, "whether fusion has queued ops");
   m.def("executions", []() { return g_executions.load(); }, "Hits served natively since reset_counters()");
   m.def("reset_counters", []() { g_executions.store(0); });
 }

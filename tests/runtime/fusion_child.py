@@ -83,6 +83,12 @@ def main() -> int:
         chain(x).cpu()
         y = chain(chain(x))
         out = {"ok": torch.equal(y.cpu(), chain(chain(x.cpu())))}
+    elif scenario == "solo":  # relu always flushes alone (mm reads it): nothing to fuse it with
+        w_c, x_c = torch.eye(8) * 0.9 + 0.01, torch.randn(8, 8)
+        w, x = w_c.to(D), x_c.to(D)
+        for _ in range(8):
+            x, x_c = torch.mm(torch.relu(x), w), torch.mm(torch.relu(x_c), w_c)
+        out = {"ok": torch.allclose(x.cpu(), x_c), "stats": neuron_runtime.stats()}
     elif scenario == "refuse_graphs":
         from neuron_runtime.compiler import CompileRefused
         from neuron_runtime.compiler._reference import ReferenceCompiler

@@ -51,6 +51,15 @@ def test_every_flush_trigger(tmp_path: Path) -> None:
     assert r["synchronize"] == "synchronize"
 
 
+def test_an_op_that_always_flushes_alone_stops_being_queued(tmp_path: Path) -> None:
+    out = run("solo", tmp_path)
+    f = out["stats"]["fusion"]
+    assert out["ok"]
+    assert f["ops_not_queued"] == 1 and f["fused_executions"] == 0
+    # relu was queued until it had flushed alone TORCH_NEURONX_FUSION_MIN_SEEN (2) times, then ran as is
+    assert 2 <= f["ops_buffered"] < 8
+
+
 def test_buffer_limit_flushes(tmp_path: Path) -> None:
     out = run("limit", tmp_path, TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT="3")
     assert out["ok"] and out["stats"]["fusion"]["flushes"].get("buffer_limit", 0) >= 2
