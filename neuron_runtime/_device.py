@@ -157,7 +157,9 @@ def register() -> None:
         torch._register_device_module(DEVICE, _make_module())
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
     torch._C._acc.register_python_privateuseone_hook(_Hooks())
-    torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+    # The native layer's guard when it is loaded: the Python one calls into Python on every use.
+    if _hostmem.NATIVE is None or not _hostmem.NATIVE.register_device_guard():
+        torch._C._acc.register_python_privateuseone_device_guard(_Guard())
     _hostmem.smoke_test()
     # nn.Module.to() must keep Parameter objects (tied weights stay tied, optimizers keep their params).
     # PyTorch only swaps in place for backends it knows; this switch makes it swap for ours too.

@@ -60,6 +60,38 @@ inline at::Tensor to_cpu(const at::Tensor& t) { return relabel(t, c10::DispatchK
 const c10::DispatchKeySet kCpuKeys(c10::DispatchKey::CPU);
 
 // ---------------------------------------------------------------------------------------------------
+// The device guard: one device, index 0, one default stream, ops that finish before they return (so
+// events and synchronisation have nothing to wait for). PyTorch's Python-backed guard behaves the same
+// but calls into Python for every method (hundreds of times per training step: autograd guards every
+// node); this one never does.
+// ---------------------------------------------------------------------------------------------------
+struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
+  c10::Device exchangeDevice(c10::Device) const override { return kNeuron; }
+  c10::Device getDevice() const override { return kNeuron; }
+  void setDevice(c10::Device) const override {}
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device) const noexcept override { return stream(); }
+  c10::Stream getNewStream(c10::Device, int) const override { return stream(); }
+  c10::Stream exchangeStream(c10::Stream) const noexcept override { return stream(); }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  void record(void**, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {}
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  static c10::Stream stream() { return c10::Stream(c10::Stream::DEFAULT, kNeuron); }
+};
+
+bool register_device_guard() {
+  if (c10::impl::hasDeviceGuardImpl(c10::DeviceType::PrivateUse1)) return false;
+  static NeuronGuard guard;
+  c10::impl::registerDeviceGuard(c10::DeviceType::PrivateUse1, &guard);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Registration (one torch::Library fragment, alive for the process).
 // ---------------------------------------------------------------------------------------------------
 struct Quiet : c10::WarningHandler {
@@ -617,6 +649,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("to_neuron", &to_neuron, "A neuron tensor over a CPU tensor's memory");
   m.def("to_cpu", &to_cpu, "A CPU tensor over a neuron tensor's memory");
   m.def("register_view", &register_view);
+  m.def("register_device_guard", &register_device_guard, "False if PrivateUse1 already has a guard");
   m.def("register_compute", &register_compute);
   m.def("clear", &clear);
   m.def("set_flush", &set_flush, "fusion's flush(reason), or None when fusion is off");

@@ -89,6 +89,28 @@ def test_native_hits_on_tensor_lists(fresh_runtime: _dispatch.Runtime) -> None:
 
 
 @native
+def test_the_device_guard_never_calls_python(fresh_runtime: _dispatch.Runtime) -> None:
+    import sys
+
+    calls: list[str] = []
+
+    def watch(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "call" and frame.f_code.co_filename.endswith("_device.py"):
+            calls.append(frame.f_code.co_name)
+
+    w = torch.randn(4, 4, device=DEV, requires_grad=True)
+    sys.setprofile(watch)
+    try:
+        (torch.relu(w @ w) * 2).sum().backward()  # autograd guards the device for every node
+    finally:
+        sys.setprofile(None)
+    assert "type_" not in calls
+    assert torch.accelerator.current_device_index() == 0 and torch.neuron.current_device() == 0
+    torch.neuron.synchronize()
+    torch.accelerator.synchronize()
+
+
+@native
 def test_errors_on_a_hit_are_the_users_errors(fresh_runtime: _dispatch.Runtime) -> None:
     idx_ok = torch.tensor([0, 1], device=DEV)
     x = torch.randn(3, 4, device=DEV)
@@ -144,3 +166,15 @@ def test_disabled_native_layer_is_reported() -> None:
                    env={"TORCH_NEURONX_NATIVE": "0"})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [True, "disabled by TORCH_NEURONX_NATIVE=0"]
+
+
+def test_without_a_compiler_every_op_takes_the_python_path(tmp_path: Path) -> None:
+    r = run_python("import torch, warnings\n"
+                   "from neuron_runtime import _hostmem\n"
+                   "x = torch.arange(4.0, device='neuron')\n"
+                   "print(_hostmem.NATIVE is None, (x * 2 + 1).cpu().tolist())",
+                   env={"CXX": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                        "TORCH_NEURONX_COMPILER": "reference"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[-2] == "True [1.0, 3.0, 5.0, 7.0]"
+    assert "native dispatch layer unavailable" in r.stderr and "TORCH_NEURONX_NATIVE=0" in r.stderr
