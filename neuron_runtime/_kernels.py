@@ -119,6 +119,9 @@ def _lazy(qualname: str) -> Callable[..., Any]:
 
 _installed: set[str] = set()
 
+# Special kernels with a native fast path (`fastpath.cpp`'s Special), falling back to ours.
+_NATIVE_SPECIAL = {"aten::empty.memory_format": 0, "aten::empty_strided": 1, "aten::_copy_from": 2}
+
 # Argument kinds the native hit path serves (`fastpath.cpp`'s Kind), and nothing else.
 _NATIVE_KINDS = {_ops.TENSOR: 0, _ops.OPT_TENSOR: 1, _ops.SCALAR: 2, _ops.VALUE: 3, _ops.TENSORS: 4,
                  _ops.SCALARS: 5}
@@ -129,7 +132,15 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
     (`_native`); it calls `kernel` for everything else. With fusion on, the calls fusion queues go to
     `kernel` too (its lookup says which), and native kernels run the queue before anything else."""
     native = _hostmem.NATIVE
-    if native is None or qualname in _special.KERNELS:
+    if native is None:
+        return False
+    if qualname in _NATIVE_SPECIAL:
+        base, _, overload = qualname.removeprefix("aten::").partition(".")
+        args = getattr(getattr(torch.ops.aten, base), overload or "default")._schema.arguments
+        native.register_special(qualname, _NATIVE_SPECIAL[qualname], [a.kwarg_only for a in args],
+                                [a.name for a in args], kernel)
+        return True
+    if qualname in _special.KERNELS:
         return False
     info = _ops.classify(qualname)
     if info.kind == "view":

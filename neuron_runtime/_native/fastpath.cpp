@@ -618,6 +618,96 @@ struct OpState final : c10::OperatorKernel {
   }
 };
 
+// Allocation and copies, which PyTorch reaches through `empty`, `empty_strided` and `_copy_from`
+// (`clone`, `contiguous`, `reshape` of a non-contiguous tensor, `.to`): the common cases here, the rest
+// (other layouts, pinned memory, other device indices, conjugate/negative bits) by the Python kernels.
+enum Special : int { EMPTY = 0, EMPTY_STRIDED = 1, COPY_FROM = 2 };
+
+struct SpecialKernel final : c10::OperatorKernel {
+  Special which;
+  std::unique_ptr<OpState> python;  // calls the Python kernel (its key tables stay unused)
+
+  static bool on_neuron(const c10::IValue& device) {
+    if (device.isNone()) return true;
+    auto d = device.toDevice();
+    return d.type() == c10::DeviceType::PrivateUse1 && (!d.has_index() || d.index() == 0);
+  }
+
+  static bool options(const Stack& stack, size_t first, at::TensorOptions& opts) {
+    // dtype?, layout?, device?, pin_memory? from stack[first]
+    const c10::IValue &dtype = stack[first], &layout = stack[first + 1], &device = stack[first + 2],
+                      &pin = stack[first + 3];
+    if (!layout.isNone() && layout.toLayout() != c10::kStrided) return false;
+    if (!on_neuron(device) || (!pin.isNone() && pin.toBool())) return false;
+    opts = at::TensorOptions().dtype(dtype.isNone() ? c10::get_default_dtype() : c10::scalarTypeToTypeMeta(
+                                                                                      dtype.toScalarType()));
+    return true;
+  }
+
+  static bool host(const at::Tensor& t, at::Tensor& out) {
+    auto* impl = t.unsafeGetTensorImpl();
+    if (impl->is_conj() || impl->is_neg() || impl->layout() != c10::kStrided) return false;
+    if (impl->device_type() == c10::DeviceType::PrivateUse1) out = to_cpu(t);
+    else if (impl->device_type() == c10::DeviceType::CPU) out = t;
+    else return false;
+    return true;
+  }
+
+  bool fast(Stack* stack, size_t base, size_t n) {
+    Stack& s = *stack;
+    at::TensorOptions opts;
+    if (which == EMPTY) {  // (size, dtype?, layout?, device?, pin_memory?, memory_format?)
+      if (!s[base].isIntList() || !options(s, base + 1, opts)) return false;
+      auto mf = s[base + 5].isNone() ? c10::MemoryFormat::Contiguous : s[base + 5].toMemoryFormat();
+      at::Tensor out = to_neuron(at::empty(s[base].toIntVector(), opts, mf));
+      torch::jit::drop(s, n);
+      s.emplace_back(std::move(out));
+      return true;
+    }
+    if (which == EMPTY_STRIDED) {  // (size, stride, dtype?, layout?, device?, pin_memory?)
+      if (!s[base].isIntList() || !s[base + 1].isIntList() || !options(s, base + 2, opts)) return false;
+      at::Tensor out = to_neuron(at::empty_strided(s[base].toIntVector(), s[base + 1].toIntVector(), opts));
+      torch::jit::drop(s, n);
+      s.emplace_back(std::move(out));
+      return true;
+    }
+    // _copy_from(self, dst, non_blocking) -> dst
+    at::Tensor src, dst;
+    if (!s[base].isTensor() || !s[base + 1].isTensor() || !host(s[base].toTensor(), src) ||
+        !host(s[base + 1].toTensor(), dst)) {
+      return false;
+    }
+    dst.copy_(src);
+    c10::IValue result = s[base + 1];
+    torch::jit::drop(s, n);
+    s.push_back(std::move(result));
+    return true;
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
+    if (g_pending.load(std::memory_order_relaxed)) flush_queued(op);
+    const size_t n = python->kinds.size();
+    const size_t base = stack->size() - n;
+    if (!fast(stack, base, n)) python->call_python(op, stack, base, nullptr);
+  }
+};
+
+void register_special(const std::string& qualname, int which, std::vector<bool> kwarg_only,
+                      std::vector<std::string> names, py::object kernel) {
+  auto k = std::make_unique<SpecialKernel>();
+  k->which = static_cast<Special>(which);
+  k->python = std::make_unique<OpState>();
+  k->python->qualname = qualname;
+  k->python->kinds.assign(kwarg_only.size(), VALUE);
+  k->python->kwarg_only = std::move(kwarg_only);
+  k->python->names = std::move(names);
+  k->python->kernel = kernel.release().ptr();
+  Quiet quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  library().impl(op_name(qualname).c_str(),
+                 torch::CppFunction::makeFromBoxedKernel(c10::BoxedKernel::makeFromFunctor(std::move(k))));
+}
+
 void register_compute(const std::string& qualname, std::vector<int> kinds, std::vector<bool> kwarg_only,
                       std::vector<std::string> names, int mutated, size_t n_returns, bool returns_list,
                       py::object kernel, py::object lookup) {
@@ -651,6 +741,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_view", &register_view);
   m.def("register_device_guard", &register_device_guard, "False if PrivateUse1 already has a guard");
   m.def("register_compute", &register_compute);
+  m.def("register_special", &register_special);
   m.def("clear", &clear);
   m.def("set_flush", &set_flush, "fusion's flush(reason), or None when fusion is off");
   m.def("set_pending", [](bool pending) { g_pending.store(pending); }, "whether fusion has queued ops");
