@@ -62,6 +62,7 @@ class Config:
     concatenation: bool = False
     concatenation_buffer_limit: int = 1024
     fusion_min_seen: int = 3
+    fusion_min_numel: int = 32768
     # recording (neuron-cache warm)
     record_file: str | None = None
 
@@ -87,6 +88,7 @@ _VARS: dict[str, tuple[str, object]] = {
     "TORCH_NEURONX_ENABLE_CONCATENATION": ("concatenation", lambda v: _flag(v, False)),
     "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT": ("concatenation_buffer_limit", int),
     "TORCH_NEURONX_FUSION_MIN_SEEN": ("fusion_min_seen", int),
+    "TORCH_NEURONX_FUSION_MIN_NUMEL": ("fusion_min_numel", int),
     "TORCH_NEURONX_RECORD_FILE": ("record_file", str),
 }
 # Read elsewhere (signing key material; the native layer, loaded before any Config), listed so they are

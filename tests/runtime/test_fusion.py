@@ -15,6 +15,7 @@ CHILD = Path(__file__).with_name("fusion_child.py")
 
 def run(scenario: str, tmp_path: Path, fusion: bool = True, **env: str) -> dict:  # type: ignore[type-arg]
     full = dict(os.environ, TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_FUSION_MIN_SEEN="2",
+                TORCH_NEURONX_FUSION_MIN_NUMEL="0",  # the tests' tensors are small: queue them anyway
                 TORCH_NEURONX_ENABLE_CONCATENATION="1" if fusion else "0",
                 TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(tmp_path / "cache"))
     full.update(env)
@@ -58,6 +59,14 @@ def test_an_op_that_always_flushes_alone_stops_being_queued(tmp_path: Path) -> N
     assert f["ops_not_queued"] == 1 and f["fused_executions"] == 0
     # relu was queued until it had flushed alone TORCH_NEURONX_FUSION_MIN_SEEN (2) times, then ran as is
     assert 2 <= f["ops_buffered"] < 8
+
+
+def test_outputs_below_the_size_threshold_are_not_queued(tmp_path: Path) -> None:
+    out = run("train", tmp_path, TORCH_NEURONX_FUSION_MIN_NUMEL="1000000")
+    plain = run("train", tmp_path / "off", fusion=False)
+    f = out["stats"]["fusion"]
+    assert f["ops_buffered"] == 0 and f["fused_executions"] == 0 and f["ops_not_queued"] > 0
+    assert out["losses"] == pytest.approx(plain["losses"], rel=1e-6)
 
 
 def test_buffer_limit_flushes(tmp_path: Path) -> None:
