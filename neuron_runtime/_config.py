@@ -32,9 +32,13 @@ def _flag(value: str | None, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+def cache_root() -> Path:
+    """`$XDG_CACHE_HOME/neuron-runtime` (or `~/.cache/neuron-runtime`): the local tier, the native layer."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "neuron-runtime"
+
+
 def _default_local_dir() -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return str(Path(root) / "neuron-runtime" / "neff")
+    return str(cache_root() / "neff")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -135,8 +135,7 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
     if native is None:
         return False
     if qualname in _NATIVE_SPECIAL:
-        base, _, overload = qualname.removeprefix("aten::").partition(".")
-        args = getattr(getattr(torch.ops.aten, base), overload or "default")._schema.arguments
+        args = _ops._resolve(qualname)._schema.arguments
         native.register_special(qualname, _NATIVE_SPECIAL[qualname], [a.kwarg_only for a in args],
                                 [a.name for a in args], kernel)
         return True

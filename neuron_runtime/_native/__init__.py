@@ -28,13 +28,14 @@ from types import ModuleType
 
 import torch
 
+from .. import _config
+
 NAME = "_neuron_native"
 SOURCE = Path(__file__).with_name("fastpath.cpp")
 
 
 def enabled() -> bool:
-    v = os.environ.get("TORCH_NEURONX_NATIVE", "1").strip().lower()
-    return v not in ("0", "false", "no", "off")
+    return _config._flag(os.environ.get("TORCH_NEURONX_NATIVE"), True)
 
 
 def _compiler() -> str:
@@ -52,8 +53,7 @@ def _compiler_identity(cxx: str) -> str:
 
 
 def _build_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "neuron-runtime" / "native"
+    return _config.cache_root() / "native"
 
 
 def _target(cxx: str) -> Path:
@@ -77,16 +77,15 @@ def _command(cxx: str, out: str) -> list[str]:
             f"-L{libdir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
 
 
-def build(quiet: bool = False) -> Path:
+def build() -> Path:
     """The path of the built extension, building it if this torch install has none yet."""
     cxx = _compiler()
     target = _target(cxx)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    if not quiet:
-        print("neuron: building the native dispatch layer (once per torch install, about a minute)",
-              file=sys.stderr, flush=True)
+    print("neuron: building the native dispatch layer (once per torch install, about a minute)",
+          file=sys.stderr, flush=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:

@@ -224,7 +224,6 @@ std::atomic<int64_t> g_executions{0};
 std::atomic<int64_t> g_generation{0};  // bumped by clear(): tables drop entries of older generations
 
 struct OpState final : c10::OperatorKernel {
-  std::string qualname;
   std::vector<int> kinds;            // per schema argument
   std::vector<bool> kwarg_only;      // per schema argument
   std::vector<std::string> names;    // per schema argument
@@ -697,7 +696,6 @@ void register_special(const std::string& qualname, int which, std::vector<bool> 
   auto k = std::make_unique<SpecialKernel>();
   k->which = static_cast<Special>(which);
   k->python = std::make_unique<OpState>();
-  k->python->qualname = qualname;
   k->python->kinds.assign(kwarg_only.size(), VALUE);
   k->python->kwarg_only = std::move(kwarg_only);
   k->python->names = std::move(names);
@@ -712,7 +710,6 @@ void register_compute(const std::string& qualname, std::vector<int> kinds, std::
                       std::vector<std::string> names, int mutated, size_t n_returns, bool returns_list,
                       py::object kernel, py::object lookup) {
   auto state = std::make_unique<OpState>();
-  state->qualname = qualname;
   state->kinds = std::move(kinds);
   state->kwarg_only = std::move(kwarg_only);
   state->names = std::move(names);
