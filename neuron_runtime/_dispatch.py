@@ -199,7 +199,7 @@ class Runtime:
         s["fallback_ops"] = sorted(self.fallback_ops)
         s["compiler"] = self.compiler.name
         if self.fusion is not None:
-            s["fusion"] = {k: dict(v) if isinstance(v, dict) else v for k, v in self.fusion.stats.items()}
+            s["fusion"] = self.fusion.counters()
         return s
 
     @property
@@ -375,8 +375,8 @@ class Runtime:
             return result
         with self.lock:
             self.counts["executions"] += 1
-        if self.fusion is not None and info.kind == "compute" and outs and outs[0] is not None:
-            self.fusion.learn(info, key, sig, outs[0])
+        if self.fusion is not None:
+            self.fusion.learn(info, key, sig, list(outs))
         result = self.finish(info, values, host_values, list(outs))
         exes[key] = exe  # undefined outputs (None) stay None on the hit path too
         return result
@@ -655,11 +655,20 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     lines.append("    if _zexe is None:")
     lines.append(f"        return _zRT().slow_call(_zINFO, _zEXES, _zkey, {values})")
     lines += ["    " + b for b in alias_lines]
+    if info.kind == "mutating":
+        rets = info.returns_args
+        ret_line = ("    return None" if info.n_returns == 0 else f"    return {rets[0]}" if info.n_returns == 1
+                    else f"    return ({', '.join(rets)},)")
     if can_queue:
         lines.append(f"    _zT, _zS = {call_tensors}, {call_scalars}")
-        lines.append("    _zr = _zSUBMIT(_zINFO, _zkey, _zexe, _zT, _zS)")
-        lines.append("    if _zr is not None:")
-        lines.append("        return _zr")
+        if info.kind == "mutating":  # fusible in-place ops update their first argument
+            m = mutated[info.mutable[0]]
+            lines.append(f"    if _zSUBMIT(_zINFO, _zkey, _zexe, _zT, _zS, {m if m.startswith('_zl') else f'[{m}]'}):")
+            lines.append("    " + ret_line)
+        else:
+            lines.append("    _zr = _zSUBMIT(_zINFO, _zkey, _zexe, _zT, _zS)")
+            lines.append("    if _zr is not None:")
+            lines.append("        return _zr")
         call_tensors, call_scalars = "_zT", "_zS"
     lines.append("    try:")
     lines.append(f"        _zouts = _zexe({call_tensors}, {call_scalars})")
@@ -680,13 +689,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
             else:  # out= argument: may need a resize
                 lines.append(f"    _zCB({m}, _zouts[{i}])")
     if info.kind == "mutating":
-        rets = info.returns_args
-        if info.n_returns == 0:
-            lines.append("    return None")
-        elif info.n_returns == 1:
-            lines.append(f"    return {rets[0]}")
-        else:
-            lines.append(f"    return ({', '.join(rets)},)")
+        lines.append(ret_line)
     elif info.returns_list:
         lines.append("    return [_zW(_zo) for _zo in _zouts]")
     elif info.n_returns == 1:
@@ -696,7 +699,8 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     # The executable a call would use, or None (the native hit path learns its entries from this).
     lines += ["", f"def lookup({sig}):"] + ["    " + b for b in key_lines]
     if can_queue:  # and whether fusion still queues this call (then the native kernel hands it over)
-        lines += [f"    _zkey = {key}", "    return (_zEG(_zkey), _zQUEUES(_zINFO, _zkey))"]
+        lines += [f"    _zkey = {key}",
+                  "    return (_zEG(_zkey), _zQUEUES(_zINFO, _zkey), _zINFO, _zkey, _zOUTMETA(_zINFO, _zkey))"]
     else:
         lines.append(f"    return _zEG({key})")
     src = "\n".join(lines) + "\n"
@@ -707,7 +711,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         "_zEXES": exes, "_zRT": runtime, "_zINFO": info, "_zW": wrap, "_zN": FAST,
         "_zCB": _copy_back_out, "_zCBA": _copy_back_all, "_zNUM": NUMBERS, "_zFC": torch._foreach_copy_,
         "_zPENDING": _fusion.PENDING, "_zFLUSH": _fusion.flush, "_zSUBMIT": _fusion.submit,
-        "_zQUEUES": _fusion.queues,
+        "_zQUEUES": _fusion.queues, "_zOUTMETA": _fusion.outmeta,
     }
     exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
     kernel: Callable[..., Any] = scope["kernel"]

@@ -1,22 +1,29 @@
 """Experimental adaptive fusion, behind TORCH_NEURONX_ENABLE_CONCATENATION=1.
 
-With the flag, a pointwise op whose executable is already known is *buffered* instead of run: its output
-is allocated (so the caller gets a real neuron tensor) and the op is queued. Anything else flushes the
-queue first, in stream order:
+With the flag, a pointwise op whose executable is already known is *buffered* instead of run: a
+functional op's outputs are allocated (so the caller gets real neuron tensors), an in-place op returns
+its argument, and the op is queued. Pointwise here means PyTorch's `pointwise` tag, and the `_foreach_`
+ops over it (the foreach optimizers' updates: `_foreach_mul_`, `_foreach_lerp_`, `_foreach_addcdiv_`...).
+Anything else flushes the queue first, in stream order:
 
-  * any other op reaching the runtime: a non-pointwise op, an in-place or out= op, a view op, a host op
-    (`.item()`, `bool()`, printing, `.cpu()` all read through one), a copy;
-  * a pointwise op reading memory a queued op writes through another tensor (a view of a pending output);
+  * any other op reaching the runtime: a non-pointwise op, an out= op, a view op, a host op (`.item()`,
+    `bool()`, printing, `.cpu()` all read through one), a copy;
+  * a queued op reading or writing memory a queued op writes through another tensor (a view of a pending
+    output or of a tensor an in-place op writes);
   * a change of grad mode or autocast state; the buffer limit
     (TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT); `torch.neuron.synchronize()`.
 
+A queued op reading a tensor an earlier queued op writes (its output, or the tensor it updates in place)
+is wired to that op's result; reading it before the write gives the old value, as in stream order.
+
 A flushed group is identified by its ops' keys and how they are wired. Until it has been seen
 TORCH_NEURONX_FUSION_MIN_SEEN times it runs op by op (so fusion never multiplies cold-start compiles);
-then it is compiled as one executable (a graph signature: the ops' signatures and their wiring, keyed and
-cached like any op) and run in one call. An output whose memory nobody can read any more at the flush (no
-tensor, view or autograd-saved tensor holds it: its buffer's use count is back to one) is never
-materialised. A group that fails to compile or run falls back to op by op and is remembered as not
-fusible. Results are those of the same ops in the same order.
+then it is compiled as one executable (a graph signature: the ops' functional signatures and their
+wiring, keyed and cached like any op) and run in one call, whose results are written into the outputs
+and into the tensors the in-place ops update (each once, by its last writer). An output whose memory
+nobody can read any more at the flush (no tensor, view or autograd-saved tensor holds it: its buffer's
+use count is back to one) is never materialised. A group that fails to compile or run falls back to op
+by op and is remembered as not fusible. Results are those of the same ops in the same order.
 """
 
 from __future__ import annotations
@@ -29,19 +36,50 @@ import torch
 from . import _hostmem, _ops
 
 
+_ARG_KINDS = (_ops.TENSOR, _ops.OPT_TENSOR, _ops.SCALAR, _ops.SCALARS, _ops.VALUE)
+
+
 def fusible(info: _ops.OpInfo) -> bool:
-    """Functional pointwise ops with one tensor output and no tensor lists."""
-    return (info.kind == "compute" and info.functional is None and info.n_returns == 1
-            and not info.returns_list and torch.Tag.pointwise in info.op.tags
-            and all(a.kind in (_ops.TENSOR, _ops.OPT_TENSOR, _ops.SCALAR, _ops.VALUE) for a in info.args))
+    """Pointwise ops (PyTorch's tag) returning tensors, and `_foreach_` ops over a pointwise op (one list
+    output); functional, or in place on their first argument (`x.mul_(2)`, `_foreach_lerp_(exp_avgs,
+    ...)`). Matmuls, reductions and the rest flush: queued with them (measured on the benchmark steps),
+    groups end at every view of a queued result, and a fused group's call and write-backs cost more than
+    the per-op calls they replace at these sizes."""
+    foreach = info.qualname.startswith("aten::_foreach_")
+    if foreach:
+        base = info.qualname.removeprefix("aten::_foreach_").split(".")[0].rstrip("_")
+        packet = getattr(torch.ops.aten, base, None)
+        if base == "copy" or packet is None or not any(
+                torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads()):
+            return False
+    elif torch.Tag.pointwise not in info.op.tags or torch.Tag.nondeterministic_seeded in info.op.tags:
+        return False
+    kinds = _ARG_KINDS + ((_ops.TENSORS,) if foreach else ())
+    if not all(a.kind in kinds for a in info.args):
+        return False
+    if info.kind == "compute":
+        return info.functional is None and (info.returns_list if foreach else
+                                            info.n_returns >= 1 and not info.returns_list)
+    if info.kind != "mutating" or len(info.mutable) != 1 or info.functional is None or \
+            len(info.functional.args) != len(info.args):
+        return False
+    m = info.args[0]
+    if m.name != info.mutable[0] or m.kwarg_only or m.kind != (_ops.TENSORS if foreach else _ops.TENSOR):
+        return False
+    f = info.functional
+    return f.returns_list if foreach else (info.returns_args == [m.name] and f.n_returns == 1)
 
 
 class _Node:
-    __slots__ = ("info", "key", "exe", "ins", "scalars", "out")
+    """A queued op: its executable's inputs, and where its results go (`dsts`, one CPU tensor per
+    output: fresh buffers for a functional op, the updated tensors' CPU views for an in-place one)."""
+
+    __slots__ = ("info", "key", "exe", "ins", "scalars", "dsts", "inplace")
 
     def __init__(self, info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any],
-                 out: torch.Tensor) -> None:
-        self.info, self.key, self.exe, self.ins, self.scalars, self.out = info, key, exe, ins, scalars, out
+                 dsts: list[torch.Tensor], inplace: bool) -> None:
+        self.info, self.key, self.exe, self.ins, self.scalars = info, key, exe, ins, scalars
+        self.dsts, self.inplace = dsts, inplace
 
 
 class _Unfusible:
@@ -51,7 +89,9 @@ class _Unfusible:
 UNFUSIBLE = _Unfusible()
 
 #: The queue, module-level so generated kernels test it with one truthiness check (`if PENDING:`).
-PENDING: list[_Node] = []
+#: While the native layer queues ops, it holds `_NATIVE_QUEUE` alone.
+PENDING: list[Any] = []
+_NATIVE_QUEUE = object()
 
 
 class Fusion:
@@ -60,12 +100,17 @@ class Fusion:
         self.rt = runtime
         self.limit = max(1, cfg.concatenation_buffer_limit)
         self.min_seen = max(1, cfg.fusion_min_seen)
-        self.min_numel = max(0, cfg.fusion_min_numel)
+        # Ops the native layer queues cost it a few µs; in Python ~15 µs (see `learn`).
+        self.min_numel = max(0, cfg.fusion_min_numel if cfg.fusion_min_numel is not None else
+                             0 if _hostmem.NATIVE is not None else 32768)
         self.lock = threading.RLock()
-        self.producers: dict[int, int] = {}   # id(CPU buffer of a pending output) -> node index
-        self.pending_ptrs: set[int] = set()   # storage pointers of pending outputs
+        # id(CPU tensor a queued op writes) -> (node, output) of its last writer
+        self.producers: dict[int, tuple[int, int]] = {}
+        self.pending_ptrs: set[int] = set()   # storage pointers of the memory queued ops write
+        self.fresh: set[int] = set()          # ids of the buffers allocated for queued functional ops
         self.mode: tuple[bool, bool] | None = None  # (grad mode, autocast) of the queued ops
-        self.outmeta: dict[tuple[str, Any], tuple[Any, Any, Any]] = {}  # (op, key) -> (sizes, strides, dtype)
+        # (op, key) -> each output's (sizes, strides, dtype), None for an in-place op
+        self.outmeta: dict[tuple[str, Any], list[tuple[Any, Any, Any]] | None] = {}
         self.sigs: dict[tuple[str, Any], dict[str, Any]] = {}
         self.seen: dict[Any, int] = {}
         self.fused: dict[Any, Any] = {}       # (structure, live outputs) -> executable | UNFUSIBLE
@@ -82,27 +127,37 @@ class Fusion:
         _native_pending(False)
 
     # -- what the slow path teaches us -----------------------------------------------------------
-    def learn(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any], out: torch.Tensor) -> None:
-        """After an op's first real execution: its output metadata and signature, so it can be queued.
+    def learn(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any], outs: list[Any]) -> None:
+        """After an op's first real execution: its outputs' metadata and its signature, so it can be queued.
 
-        An output smaller than TORCH_NEURONX_FUSION_MIN_NUMEL elements is never queued: a queued op costs
-        ~15 µs of Python (its kernel, the queue, the flush) against ~1-3 µs for running it on the native
-        hit path, and fusing a chain saves ~2.5 ns per element (DESIGN §3: 6 ops on 1M floats, 3.1 ms
-        eager, 0.64 ms fused), so below ~40K elements fusion costs more than it saves."""
+        A single-tensor op whose output has fewer than TORCH_NEURONX_FUSION_MIN_NUMEL elements is never
+        queued: a queued op costs ~15 µs of Python (its kernel, the queue, the flush) against ~1-3 µs for
+        running it on the native hit path, and fusing a chain saves ~2.5 ns per element (DESIGN §3: 6 ops
+        on 1M floats, 3.1 ms eager, 0.64 ms fused), so below ~40K elements fusion costs more than it
+        saves. A `_foreach_` op is always queued: run alone it pays an allocation, a copy and a Scalar
+        per list element (40-70 µs for an optimizer's six tensors), all of which fusing its chain saves."""
+        if not fusible(info) or not outs or any(o is None for o in outs):
+            return
         k = (info.qualname, key)
-        self.outmeta[k] = (tuple(out.shape), out.stride(), out.dtype)
+        self.outmeta[k] = None if info.kind == "mutating" else [(tuple(o.shape), o.stride(), o.dtype)
+                                                                 for o in outs]
         self.sigs[k] = sig
-        if out.numel() < self.min_numel and k not in self.solo:
+        if not info.qualname.startswith("aten::_foreach_") and outs[0].numel() < self.min_numel and \
+                k not in self.solo:
             self.solo.add(k)
             self.stats["ops_not_queued"] += 1
 
     # -- queueing --------------------------------------------------------------------------------
-    def submit(self, info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any]) -> Any:
-        """Queue one op; its (not yet computed) neuron output, or None to run it now instead."""
-        meta = self.outmeta.get((info.qualname, key))
-        if meta is None or (info.qualname, key) in self.solo:
+    def submit(self, info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any],
+               targets: list[torch.Tensor] | None) -> Any:
+        """Queue one op; None to run it now instead. Otherwise its (not yet computed) neuron output(s),
+        or, for an in-place op (`targets`: the CPU views of the tensors it updates), True."""
+        k = (info.qualname, key)
+        if PENDING and PENDING[0] is _NATIVE_QUEUE:  # the native layer queued the ops before this one
+            self.flush("queue_handover")
+        if k not in self.sigs or k in self.solo:
             if PENDING:  # it runs now, and may read queued results
-                self.flush("unseen_op" if meta is None else "not_queued")
+                self.flush("unseen_op" if k not in self.sigs else "not_queued")
             return None
         from ._dispatch import wrap
 
@@ -111,23 +166,32 @@ class Fusion:
             if PENDING and mode != self.mode:
                 self.flush("grad_or_autocast")
             if PENDING:
-                for c in ins:
-                    if isinstance(c, torch.Tensor) and id(c) not in self.producers and \
-                            c.untyped_storage().data_ptr() in self.pending_ptrs:
+                producers, ptrs = self.producers, self.pending_ptrs
+                for c in (ins if targets is None else (*ins, *targets)):
+                    if isinstance(c, torch.Tensor) and id(c) not in producers and \
+                            c.untyped_storage().data_ptr() in ptrs:
                         self.flush("reads_pending_memory")
                         break
             self.mode = mode
-            out = torch.empty_strided(meta[0], meta[1], dtype=meta[2])
-            n = wrap(out)
-            self.producers[id(out)] = len(PENDING)
-            self.pending_ptrs.add(out.data_ptr())
-            PENDING.append(_Node(info, key, exe, ins, scalars, out))
-            if len(PENDING) == 1:
+            j = len(PENDING)
+            if targets is None:
+                dsts = [torch.empty_strided(m[0], m[1], dtype=m[2]) for m in self.outmeta[k]]  # type: ignore[union-attr]
+                result: Any = [wrap(d) for d in dsts]
+                if not info.returns_list:
+                    result = result[0] if len(result) == 1 else tuple(result)
+                self.fresh.update(id(d) for d in dsts)
+            else:
+                dsts, result = targets, True
+            for i, d in enumerate(dsts):
+                self.producers[id(d)] = (j, i)
+                self.pending_ptrs.add(d.untyped_storage().data_ptr())
+            PENDING.append(_Node(info, key, exe, ins, scalars, dsts, targets is not None))
+            if j == 0:
                 _native_pending(True)
             self.stats["ops_buffered"] += 1
             if len(PENDING) >= self.limit:
                 self.flush("buffer_limit")
-            return n
+            return result
 
     # -- running ---------------------------------------------------------------------------------
     def flush_for(self, info: _ops.OpInfo) -> None:
@@ -138,43 +202,73 @@ class Fusion:
         with self.lock:
             if not PENDING:
                 return
+            flushes = self.stats["flushes"]
+            flushes[reason] = flushes.get(reason, 0) + 1
+            native = PENDING[0] is _NATIVE_QUEUE
             nodes = list(PENDING)
             del PENDING[:]
             _native_pending(False)
-            producers = self.producers
-            self.producers, self.pending_ptrs, self.mode = {}, set(), None
-            flushes = self.stats["flushes"]
-            flushes[reason] = flushes.get(reason, 0) + 1
+            if native:  # the queue is in the native layer, which hands back what it does not run itself
+                _hostmem.NATIVE.run_queue()
+                return
+            fresh = self.fresh
+            self.producers, self.pending_ptrs, self.fresh, self.mode = {}, set(), set(), None
+            self._flush_nodes(nodes, lambda w: id(nodes[w[0]].dsts[w[1]]) not in fresh or
+                              nodes[w[0]].dsts[w[1]]._use_count() > 1)
+
+    def _flush_nodes(self, nodes: list[_Node], readable: Any) -> Any:
+        """Run a flushed group (fused when hot); the fused executable it ran, or None.
+
+        `readable((node, output))`: whether that result must be written (see the module docstring)."""
+        with self.lock:
             ext: list[Any] = []
             ext_index: dict[int, int] = {}
+            writer: dict[int, tuple[int, int]] = {}  # id(CPU tensor) -> (node, output) that last wrote it
             structure = []
-            for node in nodes:
-                wiring = []
+            for j, node in enumerate(nodes):
+                wiring: list[tuple[Any, ...]] = []
                 for c in node.ins:
-                    j = producers.get(id(c)) if isinstance(c, torch.Tensor) else None
-                    if j is not None:
-                        wiring.append(("n", j))
-                    else:
+                    w = writer.get(id(c)) if isinstance(c, torch.Tensor) else None
+                    if w is not None:
+                        wiring.append(("n", w[0]) if w[1] == 0 else ("n", w[0], w[1]))
+                    elif isinstance(c, torch.Tensor):
                         if id(c) not in ext_index:
                             ext_index[id(c)] = len(ext)
                             ext.append(c)
                         wiring.append(("e", ext_index[id(c)]))
+                    else:  # a number in a tensor slot (`x * 2`): an input of its own, as natively
+                        wiring.append(("e", len(ext)))
+                        ext.append(c)
+                for i, d in enumerate(node.dsts):
+                    writer[id(d)] = (j, i)
                 structure.append((node.info.qualname, node.key, tuple(wiring)))
             group = tuple(structure)
             seen = self.seen[group] = self.seen.get(group, 0) + 1
             self._note_flushed(nodes)
-            # `out` is referenced by the neuron tensor's storage (and so by its views and by autograd's
-            # saved tensors) for as long as anything can read it; our own references add no use count.
-            live = tuple(j for j, node in enumerate(nodes) if node.out._use_count() > 1)
-            self.stats["outputs_not_materialised"] += len(nodes) - len(live)
+            # Each written tensor gets its last writer's result, and only if it can still be read: a
+            # buffer allocated for a queued op is referenced by its neuron tensor's storage (and so by its
+            # views and autograd's saved tensors) while anything can read it; our references add no use
+            # count. Tensors updated in place belong to the caller: always written.
+            live = tuple(sorted(w for w in writer.values() if readable(w)))
+            self.stats["outputs_not_materialised"] += sum(len(n.dsts) for n in nodes) - len(live)
             if len(nodes) > 1 and seen >= self.min_seen and self.fused.get(group) is not UNFUSIBLE:
-                if self._run_fused(group, nodes, ext, live):
-                    return
+                exe = self._run_fused(group, nodes, ext, live)
+                if exe is not None:
+                    return exe
             self._run_each(nodes)
+            return None
 
     def queues(self, info: _ops.OpInfo, key: Any) -> bool:
         """Whether calls of this op and key are queued (the native hit path asks once per key)."""
         return (info.qualname, key) not in self.solo
+
+    def counters(self) -> dict[str, Any]:
+        """`stats()["fusion"]`: ours plus the native queue's."""
+        out = {k: dict(v) if isinstance(v, dict) else v for k, v in self.stats.items()}
+        if _hostmem.NATIVE is not None:
+            for k, v in _hostmem.NATIVE.fusion_counters().items():
+                out[k] += v
+        return out
 
     def _note_flushed(self, nodes: list[_Node]) -> None:
         alone = len(nodes) == 1
@@ -192,19 +286,20 @@ class Fusion:
 
     def _run_each(self, nodes: list[_Node]) -> None:
         for node in nodes:
-            node.out.copy_(node.exe(node.ins, node.scalars)[0])
+            for d, o in zip(node.dsts, node.exe(node.ins, node.scalars)):
+                d.copy_(o)
 
-    def _run_fused(self, group: Any, nodes: list[_Node], ext: list[Any], live: tuple[int, ...]) -> bool:
+    def _run_fused(self, group: Any, nodes: list[_Node], ext: list[Any], live: tuple[tuple[int, int], ...]) -> Any:
         exe = self.fused.get((group, live))
         if exe is None:
             sig = {"op": "fused:" + "+".join(s[0].removeprefix("aten::") for s in group),
                    "graph": [{"sig": self.sigs[(s[0], s[1])], "in": [list(w) for w in s[2]]} for s in group],
-                   "outputs": list(live)}
+                   "outputs": [j if i == 0 else [j, i] for j, i in live]}
             try:
                 exe, _ = self.rt.executable_for(sig)
             except Exception:  # noqa: BLE001 - a group that cannot compile runs op by op, for good
                 self.fused[group] = UNFUSIBLE
-                return False
+                return None
             self.fused[(group, live)] = exe
             self.stats["groups_fused"] += 1
         scalars = [s for node in nodes for s in node.scalars]
@@ -212,12 +307,12 @@ class Fusion:
             outs = exe(ext, scalars)  # ext: tensors, and numbers in tensor slots (`x * 2`)
         except Exception:  # noqa: BLE001
             self.fused[group] = UNFUSIBLE
-            return False
-        for j, o in zip(live, outs):
-            nodes[j].out.copy_(o)
+            return None
+        for (j, i), o in zip(live, outs):
+            nodes[j].dsts[i].copy_(o)
         self.stats["fused_executions"] += 1
         self.stats["ops_fused"] += len(nodes)
-        return True
+        return exe
 
 
 _DEVICE = "neuron"
@@ -233,16 +328,36 @@ def flush(reason: str) -> None:
         _fusion.flush(reason)
 
 
-def submit(info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any]) -> Any:
+def submit(info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any],
+           targets: list[torch.Tensor] | None = None) -> Any:
     """The generated kernels' entry: queue the op (see `Fusion.submit`)."""
     if _fusion is None:
         return None
-    return _fusion.submit(info, key, exe, ins, scalars)
+    return _fusion.submit(info, key, exe, ins, scalars, targets)
 
 
 def queues(info: _ops.OpInfo, key: Any) -> bool:
     """The generated lookups' entry (see `Fusion.queues`)."""
     return _fusion is not None and _fusion.queues(info, key)
+
+
+def outmeta(info: _ops.OpInfo, key: Any) -> Any:
+    """The generated lookups' entry: a queued call's outputs (None for an in-place op)."""
+    return None if _fusion is None else _fusion.outmeta.get((info.qualname, key))
+
+
+def _native_started() -> None:
+    """The native layer queued an op into its empty queue: ours holds its marker until a flush."""
+    PENDING.append(_NATIVE_QUEUE)
+    _native_pending(True)
+
+
+def _flush_from_native(nodes: list[tuple[Any, ...]], live: list[tuple[int, int]]) -> Any:
+    """A group the native queue does not run itself: run it here; the fused executable used, or None."""
+    if _fusion is None:  # pragma: no cover - the native queue is only on with fusion
+        raise RuntimeError("neuron: native fusion queue without fusion")
+    readable = set(live)
+    return _fusion._flush_nodes([_Node(*n) for n in nodes], lambda w: w in readable)
 
 
 def install(runtime: Any) -> Fusion | None:
@@ -251,8 +366,11 @@ def install(runtime: Any) -> Fusion | None:
     if _fusion is not None:
         _fusion.flush("reset")
     _fusion = Fusion(runtime) if runtime.cfg.concatenation else None
-    if _hostmem.NATIVE is not None:  # native kernels run the queue before any op they serve
-        _hostmem.NATIVE.set_flush(flush if _fusion is not None else None)
+    if _hostmem.NATIVE is not None:  # native kernels queue, and run the queue before any op they serve
+        if _fusion is not None:
+            _hostmem.NATIVE.set_fusion(flush, _native_started, _flush_from_native, _fusion.limit)
+        else:
+            _hostmem.NATIVE.set_fusion(None, None, None, 1)
     return _fusion
 
 

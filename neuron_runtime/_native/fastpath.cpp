@@ -12,6 +12,7 @@
 
 #include <torch/extension.h>
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Storage.h>
 #include <torch/csrc/Dtype.h>
@@ -25,7 +26,9 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <algorithm>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -118,15 +121,15 @@ void flush_queued(const c10::OperatorHandle& op) {
   if (!r) throw python_error();
 }
 
-void set_flush(py::object flush) {
-  PyObject* old = g_flush;
-  g_flush = flush.is_none() ? nullptr : flush.release().ptr();
-  Py_XDECREF(old);
-  g_pending.store(false);
-}
+// Whether fusion must run its queue before a view of `v`: a view is metadata, so only while ops queued
+// in Python are pending (their memory is not tracked here) or when `v` views memory a queued op writes.
+bool view_needs_flush(const c10::IValue& v);
 
 void view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
-  if (g_pending.load(std::memory_order_relaxed)) flush_queued(op);
+  if (g_pending.load(std::memory_order_relaxed)) {
+    const size_t n = op.schema().arguments().size();
+    if (n == 0 || view_needs_flush((*stack)[stack->size() - n])) flush_queued(op);
+  }
   op.redispatchBoxed(kCpuKeys, stack);
 }
 
@@ -211,14 +214,90 @@ struct Entry {
   std::vector<std::pair<size_t, c10::ScalarType>> wrapped;
   PyObject* exe = nullptr;  // strong reference; the GIL is taken to release it
   bool python_only = false;  // the slow path keeps no executable for this key (a host fallback), or
-                             // fusion queues these calls (its Python kernel does)
+                             // fusion queues these calls and this file cannot (its Python kernel does)
+  // Fusion queues these calls in the native queue (below): the Python op info and key to hand a group
+  // to Python with, and each output's (sizes, strides, dtype) for a functional op.
+  bool queue = false;
+  PyObject* pyinfo = nullptr;
+  PyObject* pykey = nullptr;
+  std::vector<std::tuple<std::vector<int64_t>, std::vector<int64_t>, c10::ScalarType>> outmeta;
   ~Entry() {
+    if (Py_IsInitialized() && (exe != nullptr || pyinfo != nullptr || pykey != nullptr)) {
+      py::gil_scoped_acquire gil;
+      Py_XDECREF(exe);
+      Py_XDECREF(pyinfo);
+      Py_XDECREF(pykey);
+    }
+  }
+};
+
+struct OpState;
+
+// ---------------------------------------------------------------------------------------------------
+// The native fusion queue (TORCH_NEURONX_ENABLE_CONCATENATION=1 with this file loaded). Fusion's logic
+// stays in Python (neuron_runtime/fusion.py); this is its hit path. A call Python says to queue is
+// queued here: its outputs are allocated from the metadata Python learned, an in-place op returns its
+// argument. Python's queue holds one marker while this one is not empty, so every flush trigger it
+// knows reaches `run_queue`. There, the group's structure (each op's table entry and how its tensors
+// are wired) and which results are still readable form a key; a group Python has compiled fused runs
+// here in one call. Everything else (a group not seen often enough yet, a failure) is handed to Python
+// as `fusion._flush_from_native(nodes, live)`, which runs it as its own queue would and says which
+// fused executable it used. The queue's state is guarded by the GIL.
+// ---------------------------------------------------------------------------------------------------
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+struct QNode {
+  OpState* op = nullptr;
+  std::shared_ptr<Entry> e;
+  std::vector<at::Tensor> ins;       // the executable's tensor slots: neuron tensors, wrapped numbers, or
+                                     // undefined where `wire` names the queued op whose result it reads
+  std::vector<std::pair<int64_t, int64_t>> wire;  // per slot: (node, output), or (-1, -1) for ins[k]
+  std::vector<bool> fresh;           // per dst: a buffer allocated for a queued functional op
+  std::vector<c10::IValue> scalars;  // its run-time Scalars, in order
+  std::vector<at::Tensor> dsts;      // CPU: fresh buffers, or the CPU views of the tensors updated in place
+  std::vector<WeakImpl> ids;         // the neuron tensor behind each dst (weak: its address stays reserved)
+  bool inplace = false;
+};
+
+struct GroupExe {
+  torch::inductor::AOTIModelContainerRunner* runner = nullptr;
+  std::vector<c10::ScalarType> scalar_dtypes;
+  std::vector<std::pair<size_t, c10::ScalarType>> wrapped;
+  PyObject* exe = nullptr;
+  ~GroupExe() {
     if (exe != nullptr && Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
       Py_DECREF(exe);
     }
   }
 };
+
+std::vector<QNode> g_queue;
+std::unordered_map<const c10::TensorImpl*, std::pair<int64_t, int64_t>> g_writer;  // last writer per tensor
+std::unordered_set<const void*> g_written;  // storage pointers queued ops write
+bool g_qgrad = false, g_qautocast = false;
+PyObject* g_started = nullptr;      // fusion._native_started(): Python's queue gets its marker
+PyObject* g_from_native = nullptr;  // fusion._flush_from_native(nodes, live) -> executable | None
+size_t g_limit = 1024;
+std::unordered_map<Key, std::shared_ptr<GroupExe>, KeyHash> g_groups;
+int64_t g_groups_generation = 0;
+std::atomic<int64_t> g_q_buffered{0}, g_q_fused_runs{0}, g_q_ops_fused{0}, g_q_not_materialised{0};
+
+inline const void* storage_ptr(const at::Tensor& t) { return t.storage().data(); }
+
+bool view_needs_flush(const c10::IValue& v) {
+  py::gil_scoped_acquire gil;  // guards the queue's state
+  if (g_queue.empty() || !v.isTensor() || !v.toTensor().defined()) return true;
+  const at::Tensor& t = v.toTensor();
+  return t.device().type() != c10::DeviceType::PrivateUse1 || g_written.count(storage_ptr(t)) > 0;
+}
+
+void flush_for(const std::string& reason) {  // with the GIL: fusion.flush(reason)
+  if (g_flush == nullptr) return;
+  py::object r = py::reinterpret_steal<py::object>(PyObject_CallFunction(g_flush, "s", reason.c_str()));
+  if (!r) throw python_error();
+}
+
 
 std::atomic<int64_t> g_executions{0};
 std::atomic<int64_t> g_generation{0};  // bumped by clear(): tables drop entries of older generations
@@ -353,6 +432,10 @@ struct OpState final : c10::OperatorKernel {
     bool keyed = build_key(*stack, base, key);
     if (keyed) {
       std::shared_ptr<Entry> e = find(key);
+      if (e && e->queue) {
+        if (!enqueue(op, e, stack, base)) call_python(op, stack, base, nullptr);
+        return;
+      }
       // Queued ops run first (the Python kernel sees to that itself on the other paths).
       if (e && !e->python_only && g_pending.load(std::memory_order_relaxed)) flush_queued(op);
       if (e && !e->python_only && run(*e, stack, base)) {
@@ -362,6 +445,128 @@ struct OpState final : c10::OperatorKernel {
       if (e) keyed = false;  // known: nothing to learn
     }
     call_python(op, stack, base, keyed ? &key : nullptr);
+  }
+
+  // Queue a call fusion queues (see QNode). False, with nothing done, for a call the native queue does
+  // not take (a CPU tensor where a neuron one is expected): the Python kernel then queues it itself.
+  bool enqueue(const c10::OperatorHandle& op, const std::shared_ptr<Entry>& e, Stack* stack, size_t base) {
+    const size_t n = kinds.size();
+    QNode node;
+    node.op = this;
+    node.e = e;
+    node.inplace = mutated >= 0;
+    for (size_t i = 0; i < n; ++i) {
+      const c10::IValue& v = (*stack)[base + i];
+      if (kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) {
+        if (!v.isTensor() || !v.toTensor().defined()) continue;
+        const at::Tensor& t = v.toTensor();
+        if (!t.unsafeGetTensorImpl()->is_wrapped_number() && t.device().type() != c10::DeviceType::PrivateUse1) {
+          return false;
+        }
+        node.ins.push_back(t);
+      } else if (kinds[i] == TENSORS) {
+        for (const at::Tensor& t : v.toTensorList()) {
+          if (t.device().type() != c10::DeviceType::PrivateUse1) return false;
+          node.ins.push_back(t);
+        }
+      } else if (kinds[i] == SCALAR && !v.isNone()) {
+        node.scalars.push_back(v);
+      } else if (kinds[i] == SCALARS && !v.isNone()) {
+        for (const c10::IValue& x : v.toListRef()) node.scalars.push_back(x);
+      }
+    }
+    std::vector<at::Tensor> targets;
+    if (node.inplace) {
+      const c10::IValue& m = (*stack)[base + mutated];
+      if (m.isTensorList()) {
+        for (const at::Tensor& t : m.toTensorList()) targets.push_back(t);
+      } else {
+        targets.push_back(m.toTensor());
+      }
+    } else if (e->outmeta.empty()) {
+      return false;
+    }
+    py::gil_scoped_acquire gil;
+    const auto& name = op.operator_name();
+    if (g_queue.empty() && g_pending.load()) {  // ops Python queued run first
+      flush_for("op:" + name.name + (name.overload_name.empty() ? "" : "." + name.overload_name));
+    }
+    bool grad = at::GradMode::is_enabled();
+    bool autocast = at::autocast::is_autocast_enabled(c10::DeviceType::PrivateUse1);
+    if (!g_queue.empty() && (grad != g_qgrad || autocast != g_qautocast)) flush_for("grad_or_autocast");
+    if (!g_queue.empty()) {
+      auto reads_other_view = [](const at::Tensor& t) {
+        return !t.unsafeGetTensorImpl()->is_wrapped_number() && !g_writer.count(t.unsafeGetTensorImpl()) &&
+               g_written.count(storage_ptr(t));
+      };
+      if (std::any_of(node.ins.begin(), node.ins.end(), reads_other_view) ||
+          std::any_of(targets.begin(), targets.end(), reads_other_view)) {
+        flush_for("reads_pending_memory");
+      }
+    }
+    g_qgrad = grad;
+    g_qautocast = autocast;
+    const int64_t j = static_cast<int64_t>(g_queue.size());
+    // Wire reads of queued results now, holding no reference to them (a result nobody else holds is
+    // never written back).
+    for (at::Tensor& t : node.ins) {
+      auto w = t.unsafeGetTensorImpl()->is_wrapped_number() ? g_writer.end() : g_writer.find(t.unsafeGetTensorImpl());
+      if (w == g_writer.end()) {
+        node.wire.emplace_back(-1, -1);
+      } else {
+        node.wire.push_back(w->second);
+        t = at::Tensor();
+      }
+    }
+    std::vector<at::Tensor> outs;
+    if (node.inplace) {
+      for (const at::Tensor& t : targets) {
+        auto w = g_writer.find(t.unsafeGetTensorImpl());
+        if (w != g_writer.end()) {  // written by a queued op: the same host buffer
+          const QNode& prev = g_queue[w->second.first];
+          node.dsts.push_back(prev.dsts[w->second.second]);
+          node.fresh.push_back(prev.fresh[w->second.second]);
+        } else {
+          node.dsts.push_back(to_cpu(t));
+          node.fresh.push_back(false);
+        }
+        node.ids.emplace_back(t.getIntrusivePtr());
+      }
+    } else {
+      for (const auto& [sizes, strides, dtype] : e->outmeta) {
+        at::Tensor d = at::empty_strided(sizes, strides, at::TensorOptions().dtype(dtype));
+        outs.push_back(to_neuron(d));
+        node.dsts.push_back(std::move(d));
+        node.fresh.push_back(true);
+        node.ids.emplace_back(outs.back().getIntrusivePtr());
+      }
+    }
+    for (size_t i = 0; i < node.dsts.size(); ++i) {
+      g_writer[node.ids[i]._unsafe_get_target()] = {j, static_cast<int64_t>(i)};
+      g_written.insert(storage_ptr(node.dsts[i]));
+    }
+    c10::IValue self = node.inplace && !(*stack)[base + mutated].isTensorList() ? (*stack)[base + mutated]
+                                                                                 : c10::IValue();
+    g_queue.push_back(std::move(node));
+    g_q_buffered.fetch_add(1, std::memory_order_relaxed);
+    torch::jit::drop(*stack, n);
+    if (self.isTensor()) {
+      stack->push_back(std::move(self));
+    } else if (!outs.empty()) {
+      if (returns_list) {
+        c10::List<at::Tensor> l;
+        for (at::Tensor& o : outs) l.push_back(std::move(o));
+        stack->emplace_back(std::move(l));
+      } else {
+        for (at::Tensor& o : outs) stack->emplace_back(std::move(o));
+      }
+    }
+    if (j == 0 && g_started != nullptr) {
+      py::object r = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(g_started));
+      if (!r) throw python_error();
+    }
+    if (g_queue.size() >= g_limit) flush_for("buffer_limit");
+    return true;
   }
 
   // The hit path. Returns false (stack untouched) if the executable raised: the Python kernel then
@@ -517,6 +722,12 @@ struct OpState final : c10::OperatorKernel {
       if (kwarg_only[i]) kwargs[py::str(names[i])] = o;
       else args[p++] = o;
     }
+    if (key != nullptr && g_from_native != nullptr) {
+      // With fusion on, a call fusion queues goes to the native queue from its first hit on (the Python
+      // kernel would queue it in Python's, splitting groups where the two queues hand over).
+      std::shared_ptr<Entry> e = learn(*key, args, kwargs, true);
+      if (e && enqueue(op, e, stack, base)) return;
+    }
     py::object out = py::reinterpret_steal<py::object>(PyObject_Call(kernel, args.ptr(), kwargs.ptr()));
     if (!out) throw python_error();
     if (key != nullptr) learn(*key, args, kwargs);
@@ -565,18 +776,35 @@ struct OpState final : c10::OperatorKernel {
     return c;
   }
 
-  void learn(const Key& key, const py::tuple& args, const py::dict& kwargs) {
+  // Ask the Python kernel's lookup for this key's executable and remember it; `queue_only`: only if
+  // fusion queues these calls natively. Returns the entry remembered, if any.
+  std::shared_ptr<Entry> learn(const Key& key, const py::tuple& args, const py::dict& kwargs,
+                               bool queue_only = false) {
     py::object exe = py::reinterpret_steal<py::object>(PyObject_Call(lookup, args.ptr(), kwargs.ptr()));
     if (!exe) {
       PyErr_Clear();
-      return;
+      return nullptr;
     }
     auto e = std::make_shared<Entry>();
-    if (PyTuple_Check(exe.ptr())) {  // (executable, whether fusion queues this call)
+    if (PyTuple_Check(exe.ptr())) {  // (executable, whether fusion queues this call, info, key, outputs)
       auto t = exe.cast<py::tuple>();
       e->python_only = t[1].cast<bool>();
+      if (e->python_only && t.size() >= 5 && !t[0].is_none() && g_from_native != nullptr) {
+        e->queue = true;
+        e->python_only = false;
+        e->pyinfo = py::object(t[2]).release().ptr();
+        e->pykey = py::object(t[3]).release().ptr();
+        if (!t[4].is_none()) {
+          for (py::handle m : t[4]) {
+            auto mt = m.cast<py::tuple>();
+            e->outmeta.emplace_back(mt[0].cast<std::vector<int64_t>>(), mt[1].cast<std::vector<int64_t>>(),
+                                    reinterpret_cast<THPDtype*>(mt[2].ptr())->scalar_type);
+          }
+        }
+      }
       exe = t[0];
     }
+    if (queue_only && !e->queue) return nullptr;
     if (e->python_only || exe.is_none()) {
       e->python_only = true;
     } else {
@@ -586,7 +814,7 @@ struct OpState final : c10::OperatorKernel {
         auto dot = name.find('.');
         auto handle = c10::Dispatcher::singleton().findSchema(
             {"aten::" + name.substr(0, dot), dot == std::string::npos ? "" : name.substr(dot + 1)});
-        if (!handle) return;
+        if (!handle) return nullptr;
         e->aten = *handle;
       }
       py::object aoti = py::getattr(exe, "__neuron_aoti__", py::none());
@@ -613,9 +841,227 @@ struct OpState final : c10::OperatorKernel {
       table.clear();
       generation = g;
     }
-    table.emplace(key, std::move(e));
+    return table.emplace(key, std::move(e)).first->second;
   }
 };
+
+// Run the native queue (fusion.flush calls this when its marker is queued; the GIL is held).
+bool run_group(const GroupExe& g, const std::vector<QNode>& nodes, const std::vector<at::Tensor>& ext,
+               const std::vector<std::pair<int64_t, int64_t>>& live) {
+  std::vector<at::Tensor> outs;
+  try {
+    if (g.runner != nullptr) {
+      std::vector<at::Tensor> in;
+      in.reserve(ext.size() + g.scalar_dtypes.size());
+      for (const at::Tensor& t : ext) in.push_back(t.unsafeGetTensorImpl()->is_wrapped_number() ? t : to_cpu(t));
+      size_t k = 0;
+      for (const QNode& node : nodes) {
+        for (const c10::IValue& v : node.scalars) {
+          if (k >= g.scalar_dtypes.size()) return false;
+          in.push_back(at::scalar_tensor(v.toScalar(), at::TensorOptions().dtype(g.scalar_dtypes[k++])));
+        }
+      }
+      for (const auto& [i, dtype] : g.wrapped) {
+        if (i >= in.size() || !in[i].unsafeGetTensorImpl()->is_wrapped_number()) return false;
+        in[i] = at::scalar_tensor(in[i].item(), at::TensorOptions().dtype(dtype));
+      }
+      for (const at::Tensor& t : in) {
+        if (t.unsafeGetTensorImpl()->is_wrapped_number()) return false;
+      }
+      outs = g.runner->run(in);
+    } else {
+      py::list tensors, scalars;
+      for (const at::Tensor& t : ext) {
+        if (t.unsafeGetTensorImpl()->is_wrapped_number()) tensors.append(OpState::number(t));
+        else tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(to_cpu(t))));
+      }
+      for (const QNode& node : nodes) {
+        for (const c10::IValue& v : node.scalars) scalars.append(torch::jit::toPyObject(v));
+      }
+      py::object r = py::reinterpret_steal<py::object>(
+          PyObject_CallFunctionObjArgs(g.exe, tensors.ptr(), scalars.ptr(), nullptr));
+      if (!r) {
+        PyErr_Clear();
+        return false;
+      }
+      for (py::handle o : r) {
+        if (!THPVariable_Check(o.ptr())) return false;
+        outs.push_back(THPVariable_Unpack(o.ptr()));
+      }
+    }
+    if (outs.size() != live.size()) return false;
+    for (size_t k = 0; k < live.size(); ++k) nodes[live[k].first].dsts[live[k].second].copy_(outs[k]);
+  } catch (const std::exception&) {
+    return false;
+  }
+  return true;
+}
+
+std::shared_ptr<GroupExe> group_exe(py::handle exe) {
+  auto g = std::make_shared<GroupExe>();
+  py::object aoti = py::getattr(exe, "__neuron_aoti__", py::none());
+  if (!aoti.is_none()) {
+    try {
+      auto t = aoti.cast<py::tuple>();
+      g->runner = t[0].cast<torch::inductor::AOTIModelContainerRunnerCpu*>();
+      for (py::handle d : t[1]) g->scalar_dtypes.push_back(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type);
+      for (py::handle w : t[2]) {
+        auto pair = w.cast<py::tuple>();
+        g->wrapped.emplace_back(pair[0].cast<size_t>(), reinterpret_cast<THPDtype*>(pair[1].ptr())->scalar_type);
+      }
+    } catch (const std::exception&) {
+      g->runner = nullptr;
+      g->scalar_dtypes.clear();
+      g->wrapped.clear();
+    }
+  }
+  g->exe = exe.inc_ref().ptr();
+  return g;
+}
+
+void run_queue() {
+  std::vector<QNode> nodes;
+  nodes.swap(g_queue);
+  g_writer.clear();
+  g_written.clear();
+  if (nodes.empty()) return;
+  // Wiring, as fusion.py's flush builds it: each tensor slot reads the group's input `ext[i]` or the
+  // result of the last queued op that wrote that tensor.
+  std::unordered_map<const c10::TensorImpl*, std::pair<int64_t, int64_t>> writer;
+  std::unordered_map<const c10::TensorImpl*, int64_t> ext_index;
+  std::vector<at::Tensor> ext;
+  Key words;
+  for (size_t j = 0; j < nodes.size(); ++j) {
+    const QNode& node = nodes[j];
+    words.push_back(reinterpret_cast<int64_t>(node.op));
+    words.push_back(reinterpret_cast<int64_t>(node.e.get()));
+    words.push_back(static_cast<int64_t>(node.ins.size()));
+    for (size_t k = 0; k < node.ins.size(); ++k) {
+      if (node.wire[k].first >= 0) {
+        words.push_back(T_TENSOR);
+        words.push_back(node.wire[k].first);
+        words.push_back(node.wire[k].second);
+        continue;
+      }
+      const at::Tensor& t = node.ins[k];
+      const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      auto x = impl->is_wrapped_number() ? ext_index.end() : ext_index.find(impl);
+      int64_t idx;
+      if (x != ext_index.end()) {
+        idx = x->second;
+      } else {
+        idx = static_cast<int64_t>(ext.size());
+        ext.push_back(t);
+        if (!impl->is_wrapped_number()) ext_index[impl] = idx;
+      }
+      words.push_back(impl->is_wrapped_number() ? T_WRAPPED : T_NONE);
+      words.push_back(idx);
+    }
+    for (size_t i = 0; i < node.ids.size(); ++i) {
+      writer[node.ids[i]._unsafe_get_target()] = {static_cast<int64_t>(j), static_cast<int64_t>(i)};
+    }
+  }
+  // What to write back: each tensor's last writer, if it can still be read (see fusion.py): a fresh
+  // buffer is, while anything but the queue's own slots holds it (its neuron tensor's storage does).
+  std::vector<std::pair<int64_t, int64_t>> live;
+  size_t n_dsts = 0;
+  std::unordered_map<const c10::TensorImpl*, size_t> slots;
+  for (const QNode& node : nodes) {
+    n_dsts += node.dsts.size();
+    for (const at::Tensor& d : node.dsts) ++slots[d.unsafeGetTensorImpl()];
+  }
+  for (const auto& [impl, w] : writer) {
+    const at::Tensor& d = nodes[w.first].dsts[w.second];
+    if (!nodes[w.first].fresh[w.second] || d.use_count() > slots[d.unsafeGetTensorImpl()]) live.push_back(w);
+  }
+  std::sort(live.begin(), live.end());
+  words.push_back(T_LIST);
+  for (const auto& [j, i] : live) {
+    words.push_back(j);
+    words.push_back(i);
+  }
+  if (g_groups_generation != g_generation.load()) {
+    g_groups.clear();
+    g_groups_generation = g_generation.load();
+  }
+  if (nodes.size() > 1) {
+    auto it = g_groups.find(words);
+    if (it != g_groups.end() && run_group(*it->second, nodes, ext, live)) {
+      g_q_fused_runs.fetch_add(1, std::memory_order_relaxed);
+      g_q_ops_fused.fetch_add(static_cast<int64_t>(nodes.size()), std::memory_order_relaxed);
+      g_q_not_materialised.fetch_add(static_cast<int64_t>(n_dsts - live.size()), std::memory_order_relaxed);
+      return;
+    }
+  }
+  // Python decides (and runs) everything else. One CPU tensor object per neuron tensor, so Python's
+  // wiring (by object identity) sees what this one saw.
+  std::unordered_map<const c10::TensorImpl*, py::object> cpu_of;
+  auto host = [&](const at::Tensor& t) -> py::object {
+    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    auto it = cpu_of.find(impl);
+    if (it != cpu_of.end()) return it->second;
+    py::object o = py::reinterpret_steal<py::object>(THPVariable_Wrap(to_cpu(t)));
+    cpu_of.emplace(impl, o);
+    return o;
+  };
+  py::list pynodes;
+  for (const QNode& node : nodes) {
+    py::list ins, scalars, dsts;
+    for (size_t k = 0; k < node.ins.size(); ++k) {
+      const at::Tensor& t = node.ins[k];
+      if (node.wire[k].first >= 0) {
+        const QNode& w = nodes[node.wire[k].first];
+        ins.append(cpu_of.at(w.ids[node.wire[k].second]._unsafe_get_target()));
+      } else {
+        ins.append(t.unsafeGetTensorImpl()->is_wrapped_number() ? OpState::number(t) : host(t));
+      }
+    }
+    for (const c10::IValue& v : node.scalars) scalars.append(torch::jit::toPyObject(v));
+    for (size_t i = 0; i < node.dsts.size(); ++i) {
+      const c10::TensorImpl* impl = node.ids[i]._unsafe_get_target();
+      auto it = cpu_of.find(impl);
+      if (node.inplace && it != cpu_of.end()) {
+        dsts.append(it->second);
+      } else {
+        py::object o = py::reinterpret_steal<py::object>(THPVariable_Wrap(node.dsts[i]));
+        cpu_of[impl] = o;
+        dsts.append(o);
+      }
+    }
+    pynodes.append(py::make_tuple(py::handle(node.e->pyinfo), py::handle(node.e->pykey),
+                                  py::handle(node.e->exe), ins, scalars, dsts, node.inplace));
+  }
+  py::list pylive;
+  for (const auto& [j, i] : live) pylive.append(py::make_tuple(j, i));
+  py::object r = py::reinterpret_steal<py::object>(
+      PyObject_CallFunctionObjArgs(g_from_native, pynodes.ptr(), pylive.ptr(), nullptr));
+  if (!r) throw python_error();
+  if (!r.is_none() && nodes.size() > 1) g_groups[words] = group_exe(r);
+}
+
+void set_fusion(py::object flush, py::object started, py::object from_native, size_t limit) {
+  g_queue.clear();
+  g_writer.clear();
+  g_written.clear();
+  g_groups.clear();
+  for (auto [slot, obj] : {std::pair<PyObject**, py::object*>{&g_flush, &flush}, {&g_started, &started},
+                           {&g_from_native, &from_native}}) {
+    PyObject* old = *slot;
+    *slot = obj->is_none() ? nullptr : obj->inc_ref().ptr();
+    Py_XDECREF(old);
+  }
+  g_limit = std::max<size_t>(1, limit);
+  g_pending.store(false);
+}
+
+py::dict fusion_counters() {
+  py::dict d;
+  d["ops_buffered"] = g_q_buffered.load();
+  d["fused_executions"] = g_q_fused_runs.load();
+  d["ops_fused"] = g_q_ops_fused.load();
+  d["outputs_not_materialised"] = g_q_not_materialised.load();
+  return d;
+}
 
 // Allocation and copies, which PyTorch reaches through `empty`, `empty_strided` and `_copy_from`
 // (`clone`, `contiguous`, `reshape` of a non-contiguous tensor, `.to`): the common cases here, the rest
@@ -684,7 +1130,8 @@ struct SpecialKernel final : c10::OperatorKernel {
   }
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
-    if (g_pending.load(std::memory_order_relaxed)) flush_queued(op);
+    // An allocation reads nothing: only a copy runs fusion's queue first.
+    if (which == COPY_FROM && g_pending.load(std::memory_order_relaxed)) flush_queued(op);
     const size_t n = python->kinds.size();
     const size_t base = stack->size() - n;
     if (!fast(stack, base, n)) python->call_python(op, stack, base, nullptr);
@@ -740,8 +1187,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_compute", &register_compute);
   m.def("register_special", &register_special);
   m.def("clear", &clear);
-  m.def("set_flush", &set_flush, "fusion's flush(reason), or None when fusion is off");
+  m.def("set_fusion", &set_fusion, "fusion's flush(reason), _native_started(), _flush_from_native(nodes, "
+        "live) and buffer limit; Nones when fusion is off");
+  m.def("run_queue", &run_queue, "run the native fusion queue (fusion.flush does)");
+  m.def("fusion_counters", &fusion_counters, "the native queue's counters since reset_counters()");
   m.def("set_pending", [](bool pending) { g_pending.store(pending); }, "whether fusion has queued ops");
   m.def("executions", []() { return g_executions.load(); }, "Hits served natively since reset_counters()");
-  m.def("reset_counters", []() { g_executions.store(0); });
+  m.def("reset_counters", []() {
+    g_executions.store(0);
+    g_q_buffered.store(0);
+    g_q_fused_runs.store(0);
+    g_q_ops_fused.store(0);
+    g_q_not_materialised.store(0);
+  });
 }

@@ -128,7 +128,9 @@ class AotiCompiler(Compiler):
         except _toolchain.ToolchainError as e:
             raise CompileRefused(f"{qualname}: {e}") from e
         if "graph" in signature:  # a fused group (neuron_runtime.fusion)
-            run, signature = build_graph(signature, wrapped_as_tensors=True), graph_inputs(signature)
+            run = build_graph(signature, wrapped_as_tensors=True,
+                              choose=lambda sig, op: _per_element(sig["op"], op, sig) or op)
+            signature = graph_inputs(signature)
         else:
             op = _resolve(qualname)
             _check_scalar_schema(qualname, op, signature)
@@ -381,14 +383,19 @@ def graph_inputs(signature: dict[str, Any]) -> dict[str, Any]:
     for k, node in enumerate(signature["graph"]):
         sig = node["sig"]
         _check_scalar_schema(sig["op"], _resolve(sig["op"]), sig)
-        slots = [desc for _, kind, desc in sig["args"]
-                 if kind in (_ops.TENSOR, _ops.OPT_TENSOR) and desc is not None]
-        if len(slots) != len(node["in"]) or any(kind in (_ops.TENSORS, _ops.OPT_TENSORS)
-                                                for _, kind, _ in sig["args"]):
+        slots: list[Any] = []
+        for _, kind, desc in sig["args"]:
+            if kind in (_ops.TENSOR, _ops.OPT_TENSOR) and desc is not None:
+                slots.append(desc)
+            elif kind == _ops.TENSORS:
+                slots += desc
+            elif kind == _ops.OPT_TENSORS:
+                raise CompileRefused(f"{signature['op']}: node {k} ({sig['op']}) is not a fusible op")
+        if len(slots) != len(node["in"]):
             raise CompileRefused(f"{signature['op']}: node {k} ({sig['op']}) is not a fusible op")
-        for (src, i), desc in zip(node["in"], slots):
-            if src == "e":
-                ext.setdefault(int(i), desc)
+        for w, desc in zip(node["in"], slots):
+            if w[0] == "e":
+                ext.setdefault(int(w[1]), desc)
         scalars += [[f"n{k}.{name}", kind, desc] for name, kind, desc in sig["args"]
                     if kind in (_ops.SCALAR, _ops.SCALARS) and desc is not None]
     if sorted(ext) != list(range(len(ext))):

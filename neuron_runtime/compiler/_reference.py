@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,27 +123,31 @@ class ReferenceCompiler(Compiler):
         return run
 
 
-def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False) -> Executable:
+def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
+                choose: Callable[[dict[str, Any], Any], Any] | None = None) -> Executable:
     """A fused group (see `neuron_runtime.fusion`): its ops in order, each reading the group's inputs
-    (`["e", i]`) or an earlier op's result (`["n", j]`); returns the results listed in `outputs`.
-    Intermediates pass from op to op without being copied anywhere. `wrapped_as_tensors`: see build_call."""
+    (`["e", i]`) or an earlier op's result (`["n", j]`: its output 0, `["n", j, k]`: its output k, an
+    element of a `_foreach_` op's list); returns the results listed in `outputs` (`j` or `[j, k]`).
+    Intermediates pass from op to op without being copied anywhere. `wrapped_as_tensors`: see build_call;
+    `choose(node signature, op)`: what to call for a node instead of its op (a compiler's stand-in)."""
     steps = []
     for node in signature["graph"]:
-        call = build_call(node["sig"], _resolve(node["sig"]["op"]), wrapped_as_tensors)
-        wiring = [(kind == "n", int(i)) for kind, i in node["in"]]
+        op = _resolve(node["sig"]["op"])
+        call = build_call(node["sig"], choose(node["sig"], op) if choose else op, wrapped_as_tensors)
+        wiring = [(w[0] == "n", int(w[1]), int(w[2]) if len(w) > 2 else 0) for w in node["in"]]
         n_scalars = sum(1 if kind == _ops.SCALAR and desc is not None else
                         len(desc) if kind == _ops.SCALARS and desc is not None else 0
                         for _, kind, desc in node["sig"]["args"])
         steps.append((call, wiring, n_scalars))
-    outputs = [int(j) for j in signature["outputs"]]
+    outputs = [(int(o), 0) if isinstance(o, int) else (int(o[0]), int(o[1])) for o in signature["outputs"]]
 
     def run(T: Any, S: Any) -> list[Any]:
         results: list[Any] = []
         si = 0
         for call, wiring, n_scalars in steps:
-            ins = [results[i] if internal else T[i] for internal, i in wiring]
-            results.append(call(ins, S[si:si + n_scalars])[0])
+            ins = [results[i][k] if internal else T[i] for internal, i, k in wiring]
+            results.append(call(ins, S[si:si + n_scalars]))
             si += n_scalars
-        return [results[j] for j in outputs]
+        return [results[j][k] for j, k in outputs]
 
     return run

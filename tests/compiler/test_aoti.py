@@ -55,6 +55,8 @@ def compiled(device_run: subprocess.Popen[str], aoti_compiler: AotiCompiler) -> 
         "wrapped": Compiled(aoti_compiler, "aten::mul.Tensor", torch.arange(6), 2.5),
         # a fused group (neuron_runtime.fusion): relu(x * 2) + alpha * y, one executable
         "graph": CompiledGraph(aoti_compiler, _graph_signature()),
+        # a fused group of foreach ops (an optimizer's update): list elements wired one by one
+        "foreach_graph": CompiledGraph(aoti_compiler, _foreach_graph_signature()),
     }
 
 
@@ -109,6 +111,29 @@ def test_fused_group_compiles_to_one_executable(compiled: dict[str, Any]) -> Non
         (got,) = g.exe([x, k, y], [alpha])
         torch.testing.assert_close(got, torch.relu(x * k) + alpha * y)
     assert read_meta(g.payload)["n_tensors"] == 3
+
+
+def _foreach_graph_signature() -> dict[str, Any]:
+    xs, ys, zs = ([torch.randn(5), torch.randn(3, 4)] for _ in range(3))
+    _, mul = signature_of("aten::_foreach_mul.Scalar", xs, 0.9)
+    _, addcdiv = signature_of("aten::_foreach_addcdiv.ScalarList", ys, xs, zs, [0.1, 0.2])
+    return {"op": "fused:_foreach_mul+_foreach_addcdiv",
+            "graph": [{"sig": mul, "in": [["e", 0], ["e", 1]]},
+                      {"sig": addcdiv, "in": [["e", 2], ["e", 3], ["n", 0], ["n", 0, 1], ["e", 4], ["e", 5]]}],
+            "outputs": [1, [1, 1], 0]}
+
+
+def test_fused_foreach_group_wires_list_elements(compiled: dict[str, Any]) -> None:
+    """`_foreach_` nodes (list outputs, element-wise wiring, ScalarList inputs) compile to one call."""
+    g = compiled["foreach_graph"]
+    x, y, z = ([torch.randn(5), torch.randn(3, 4)] for _ in range(3))
+    z = [t.abs() + 0.5 for t in z]
+    for s, cs in ((0.9, [0.1, 0.2]), (-2.0, [3.0, -0.5])):
+        got = g.exe([x[0], x[1], y[0], y[1], z[0], z[1]], [s, *cs])
+        want = [y[i] + cs[i] * (x[i] * s) / z[i] for i in range(2)] + [x[0] * s]
+        assert len(got) == 3
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
 
 
 def test_scalars_are_run_time_inputs(compiled: dict[str, Compiled]) -> None:

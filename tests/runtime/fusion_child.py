@@ -14,10 +14,10 @@ from neuron_runtime import _kernels
 D = "neuron"
 
 
-def train(steps: int = 6) -> dict[str, object]:
+def train(steps: int = 6, foreach: bool | None = None) -> dict[str, object]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(D)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)  # None: PyTorch picks foreach
     x, y = torch.randn(16, 8).to(D), torch.randn(16, 4).to(D)
     losses = []
     for _ in range(steps):
@@ -51,7 +51,8 @@ def triggers() -> dict[str, object]:
     reasons["print"] = last_reason(lambda: repr(chain(x)))
     reasons["bool"] = last_reason(lambda: bool(chain(x)[0] > 0))
     reasons["view"] = last_reason(lambda: chain(x).view(4, 8))
-    reasons["inplace"] = last_reason(lambda: chain(x).add_(1))
+    chain(x).cumsum_(0).cpu()  # cumsum_'s first run
+    reasons["inplace"] = last_reason(lambda: chain(x).cumsum_(0))  # not pointwise: it cannot be queued
     reasons["non_fusible"] = last_reason(lambda: torch.mm(chain(x).view(4, 8), torch.ones(8, 2, device=D)))
 
     def grad_change() -> None:
@@ -72,10 +73,41 @@ def triggers() -> dict[str, object]:
     return {"reasons": reasons, "ok": ok}
 
 
+def inplace() -> dict[str, object]:
+    """In-place ops queued with the ops around them: on a queued output, on a tensor queued ops read
+    before and after the update, twice on the same tensor, through a foreach list; results as in stream
+    order, every time (first op by op, then fused)."""
+
+    def program(a: torch.Tensor, b: torch.Tensor, w: list[torch.Tensor]) -> list[torch.Tensor]:
+        before = a * 2          # reads a before the update
+        a.mul_(b).add_(1)       # two updates of a caller's tensor
+        after = a + before      # reads the updated a
+        y = torch.sigmoid(b)
+        y.sub_(0.5)             # in place on a queued output
+        torch._foreach_mul_(w, 0.9)
+        torch._foreach_addcmul_(w, [y, y], [after, after], 0.1)
+        s = torch._foreach_sqrt(w)
+        torch._foreach_add_(s, 1e-3)  # in place on a queued foreach output
+        return [a, after, y, *w, *s]
+
+    torch.manual_seed(0)
+    a0, b0 = torch.rand(16), torch.rand(16)
+    w0 = [torch.rand(16), torch.rand(16)]
+    a, b, w = a0.to(D), b0.to(D), [t.to(D) for t in w0]
+    oks = []
+    for _ in range(5):
+        got = program(a, b, w)
+        want = program(a0, b0, w0)
+        oks.append(all(torch.allclose(g.cpu(), x, rtol=1e-6) for g, x in zip(got, want)))
+    return {"ok": all(oks), "steps_ok": oks}
+
+
 def main() -> int:
     scenario = sys.argv[1]
     if scenario == "train":
         out: dict[str, object] = train()
+    elif scenario == "train_single_tensor":  # the for-loop optimizer: in-place ops on single tensors
+        out = train(foreach=False)
     elif scenario == "triggers":
         out = triggers()
     elif scenario == "limit":
@@ -114,6 +146,8 @@ def main() -> int:
             del y
             keep.cpu()
         out = {}
+    elif scenario == "inplace":
+        out = inplace()
     elif scenario == "off":
         x = torch.randn(16, device=D)
         chain(x).cpu()
