@@ -66,7 +66,7 @@ class Config:
     concatenation: bool = False
     concatenation_buffer_limit: int = 1024
     fusion_min_seen: int = 3
-    fusion_min_numel: int | None = None  # None: 32768 for ops queued in Python, 0 natively
+    fusion_min_numel: int = 32768
     # recording (neuron-cache warm)
     record_file: str | None = None
 

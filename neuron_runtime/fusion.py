@@ -100,9 +100,7 @@ class Fusion:
         self.rt = runtime
         self.limit = max(1, cfg.concatenation_buffer_limit)
         self.min_seen = max(1, cfg.fusion_min_seen)
-        # Ops the native layer queues cost it a few µs; in Python ~15 µs (see `learn`).
-        self.min_numel = max(0, cfg.fusion_min_numel if cfg.fusion_min_numel is not None else
-                             0 if _hostmem.NATIVE is not None else 32768)
+        self.min_numel = max(0, cfg.fusion_min_numel)
         self.lock = threading.RLock()
         # id(CPU tensor a queued op writes) -> (node, output) of its last writer
         self.producers: dict[int, tuple[int, int]] = {}
@@ -131,11 +129,13 @@ class Fusion:
         """After an op's first real execution: its outputs' metadata and its signature, so it can be queued.
 
         A single-tensor op whose output has fewer than TORCH_NEURONX_FUSION_MIN_NUMEL elements is never
-        queued: a queued op costs ~15 µs of Python (its kernel, the queue, the flush) against ~1-3 µs for
-        running it on the native hit path, and fusing a chain saves ~2.5 ns per element (DESIGN §3: 6 ops
-        on 1M floats, 3.1 ms eager, 0.64 ms fused), so below ~40K elements fusion costs more than it
-        saves. A `_foreach_` op is always queued: run alone it pays an allocation, a copy and a Scalar
-        per list element (40-70 µs for an optimizer's six tensors), all of which fusing its chain saves."""
+        queued. Run alone on the native hit path it costs ~5 µs; queued, ~2 µs in the native queue (~15 µs
+        in Python's), plus its share of the group's flush and fused call (~30-40 µs for a short chain:
+        the flush, the call, writing back the readable results), while fusing saves ~2.5 ns per element
+        (DESIGN §3: 6 ops on 1M floats, 3.1 ms eager, 0.64 ms fused). At the benchmarks' sizes a 4-op
+        chain took 40 µs fused against ~20 µs op by op. A `_foreach_` op is always queued: run alone it
+        pays an allocation, a copy and a Scalar per list element (40-70 µs for an optimizer's six
+        tensors), all of which fusing its chain saves."""
         if not fusible(info) or not outs or any(o is None for o in outs):
             return
         k = (info.qualname, key)

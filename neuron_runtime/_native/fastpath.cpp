@@ -252,6 +252,8 @@ struct QNode {
   std::vector<at::Tensor> ins;       // the executable's tensor slots: neuron tensors, wrapped numbers, or
                                      // undefined where `wire` names the queued op whose result it reads
   std::vector<std::pair<int64_t, int64_t>> wire;  // per slot: (node, output), or (-1, -1) for ins[k]
+  std::vector<at::Tensor> cpu;       // per slot read from outside the queue: its CPU view, taken when
+                                     // queued (a later `x.data = y` cannot change what the op reads)
   std::vector<bool> fresh;           // per dst: a buffer allocated for a queued functional op
   std::vector<c10::IValue> scalars;  // its run-time Scalars, in order
   std::vector<at::Tensor> dsts;      // CPU: fresh buffers, or the CPU views of the tensors updated in place
@@ -513,8 +515,10 @@ struct OpState final : c10::OperatorKernel {
       auto w = t.unsafeGetTensorImpl()->is_wrapped_number() ? g_writer.end() : g_writer.find(t.unsafeGetTensorImpl());
       if (w == g_writer.end()) {
         node.wire.emplace_back(-1, -1);
+        node.cpu.push_back(t.unsafeGetTensorImpl()->is_wrapped_number() ? t : to_cpu(t));
       } else {
         node.wire.push_back(w->second);
+        node.cpu.emplace_back();
         t = at::Tensor();
       }
     }
@@ -853,7 +857,7 @@ bool run_group(const GroupExe& g, const std::vector<QNode>& nodes, const std::ve
     if (g.runner != nullptr) {
       std::vector<at::Tensor> in;
       in.reserve(ext.size() + g.scalar_dtypes.size());
-      for (const at::Tensor& t : ext) in.push_back(t.unsafeGetTensorImpl()->is_wrapped_number() ? t : to_cpu(t));
+      in.insert(in.end(), ext.begin(), ext.end());
       size_t k = 0;
       for (const QNode& node : nodes) {
         for (const c10::IValue& v : node.scalars) {
@@ -873,7 +877,7 @@ bool run_group(const GroupExe& g, const std::vector<QNode>& nodes, const std::ve
       py::list tensors, scalars;
       for (const at::Tensor& t : ext) {
         if (t.unsafeGetTensorImpl()->is_wrapped_number()) tensors.append(OpState::number(t));
-        else tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(to_cpu(t))));
+        else tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
       }
       for (const QNode& node : nodes) {
         for (const c10::IValue& v : node.scalars) scalars.append(torch::jit::toPyObject(v));
@@ -951,7 +955,7 @@ void run_queue() {
         idx = x->second;
       } else {
         idx = static_cast<int64_t>(ext.size());
-        ext.push_back(t);
+        ext.push_back(node.cpu[k]);  // CPU views (and wrapped numbers)
         if (!impl->is_wrapped_number()) ext_index[impl] = idx;
       }
       words.push_back(impl->is_wrapped_number() ? T_WRAPPED : T_NONE);
@@ -996,11 +1000,11 @@ void run_queue() {
   // Python decides (and runs) everything else. One CPU tensor object per neuron tensor, so Python's
   // wiring (by object identity) sees what this one saw.
   std::unordered_map<const c10::TensorImpl*, py::object> cpu_of;
-  auto host = [&](const at::Tensor& t) -> py::object {
-    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  auto host = [&](const QNode& node, size_t k) -> py::object {
+    const c10::TensorImpl* impl = node.ins[k].unsafeGetTensorImpl();
     auto it = cpu_of.find(impl);
     if (it != cpu_of.end()) return it->second;
-    py::object o = py::reinterpret_steal<py::object>(THPVariable_Wrap(to_cpu(t)));
+    py::object o = py::reinterpret_steal<py::object>(THPVariable_Wrap(node.cpu[k]));
     cpu_of.emplace(impl, o);
     return o;
   };
@@ -1013,7 +1017,7 @@ void run_queue() {
         const QNode& w = nodes[node.wire[k].first];
         ins.append(cpu_of.at(w.ids[node.wire[k].second]._unsafe_get_target()));
       } else {
-        ins.append(t.unsafeGetTensorImpl()->is_wrapped_number() ? OpState::number(t) : host(t));
+        ins.append(t.unsafeGetTensorImpl()->is_wrapped_number() ? OpState::number(t) : host(node, k));
       }
     }
     for (const c10::IValue& v : node.scalars) scalars.append(torch::jit::toPyObject(v));

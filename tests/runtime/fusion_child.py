@@ -148,6 +148,23 @@ def main() -> int:
         out = {}
     elif scenario == "inplace":
         out = inplace()
+    elif scenario == "data_swap":  # `a.data = ...` after an op reading `a` was queued: it reads the old a
+        oks = []
+        for _ in range(4):
+            a0 = torch.rand(16)
+            a, z = a0.to(D), torch.zeros(16, device=D)
+            y = torch.sigmoid(a) * 3
+            a.data = z  # no op reaches the runtime: nothing flushes
+            oks.append(torch.allclose(y.cpu(), torch.sigmoid(a0) * 3) and bool((a.cpu() == 0).all()))
+        out = {"ok": all(oks), "steps_ok": oks}
+    elif scenario == "views_elsewhere":  # views of memory no queued op writes do not flush
+        x, w = torch.randn(64, device=D), torch.randn(8, 8, device=D)
+        for _ in range(4):
+            y = chain(x)
+            wt = w.t().reshape(64)  # a view of a tensor nobody queued writes
+            z = chain(y + wt)
+            ok = torch.allclose(z.cpu(), chain(chain(x.cpu()) + w.cpu().t().reshape(64)))
+        out = {"ok": ok}
     elif scenario == "off":
         x = torch.randn(16, device=D)
         chain(x).cpu()
@@ -156,6 +173,9 @@ def main() -> int:
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     out["stats"] = neuron_runtime.stats()
+    from neuron_runtime import _hostmem
+
+    out["native"] = None if _hostmem.NATIVE is None else _hostmem.NATIVE.fusion_counters()
     print(json.dumps(out))
     return 0
 

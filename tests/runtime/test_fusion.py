@@ -58,8 +58,28 @@ def test_in_place_ops_are_queued_in_stream_order(tmp_path: Path, native: str) ->
     f = out["stats"]["fusion"]
     assert out["ok"], out["steps_ok"]
     assert f["fused_executions"] >= 2 and f["groups_fused"] >= 1
+    if native == "1" and out["native"] is not None:  # the native queue queued and ran the fused group
+        assert out["native"]["ops_buffered"] > 0 and out["native"]["fused_executions"] >= 1
     # the updates of `a`, `w`, `y` and `s` were queued, not flushes
     assert not any(k.startswith("op:aten::mul_") or k.startswith("op:aten::_foreach") for k in f["flushes"]), f
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native_queue", "python_queue"])
+def test_queued_op_reads_its_inputs_as_they_were_when_queued(tmp_path: Path, native: str) -> None:
+    out = run("data_swap", tmp_path, TORCH_NEURONX_NATIVE=native)
+    assert out["ok"], out["steps_ok"]
+    assert out["stats"]["fusion"]["ops_buffered"] > 0
+
+
+def test_views_of_other_memory_do_not_flush(tmp_path: Path) -> None:
+    out = run("views_elsewhere", tmp_path)
+    if out["native"] is None:
+        pytest.skip("the native layer is not loaded: views flush (it tracks what queued ops write)")
+    f = out["stats"]["fusion"]
+    assert out["ok"]
+    assert not any(k.startswith("op:aten::t") or k.startswith("op:aten::as_strided") or
+                   k.startswith("op:aten::view") for k in f["flushes"]), f["flushes"]
+    assert f["fused_executions"] >= 1
 
 
 def test_an_op_that_always_flushes_alone_stops_being_queued(tmp_path: Path) -> None:
