@@ -3,9 +3,11 @@ fusion off, fusion on (TORCH_NEURONX_ENABLE_CONCATENATION=1), native CPU eager a
 
 Fusion is decided when a process builds its kernels, so each mode runs in its own process; every process
 also times native CPU eager on the same model, so each ratio is measured side by side (interleaved
-rounds, medians, OMP_NUM_THREADS=1). Also checks that fusion on and off give the same losses.
+rounds of steps alternating one by one, OMP_NUM_THREADS=1; `vs_native` is the median of the rounds'
+ratios, which a machine whose speed drifts disturbs least). Also checks that fusion on and off give the
+same losses.
 
-    python benchmarks/fusion.py [--tier reference|aoti] [--steps N] [--cache-dir DIR]
+    python benchmarks/fusion.py [--tier reference|aoti] [--steps N] [--rounds R] [--cache-dir DIR]
 
 With --cache-dir the executables persist: on `aoti` a first run compiles (minutes), a second one then
 measures warm processes only.
@@ -23,7 +25,7 @@ import tempfile
 CHILD = r"""
 import json, os, statistics, sys, time, torch
 torch.set_num_threads(1)
-mode, steps = sys.argv[1], int(sys.argv[2])
+mode, steps, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
 def mlp():
     return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128),
@@ -59,10 +61,10 @@ def step_fn(make, device, compiled=False):
         losses.append(loss)
     return step, losses
 
-def timeit(fn, n):
+def timed(fn):
     t0 = time.perf_counter()
-    for _ in range(n): fn()
-    return (time.perf_counter() - t0) / n * 1e3
+    fn()
+    return time.perf_counter() - t0
 
 out = {}
 for name, make in (("mlp", mlp), ("transformer_block", block)):
@@ -76,9 +78,14 @@ for name, make in (("mlp", mlp), ("transformer_block", block)):
     if mode != "compile":
         torch.neuron.synchronize()
     a, b = [], []
-    for _ in range(5):
-        a.append(timeit(native, steps)); b.append(timeit(lambda: (other(), losses[-1].item()), steps))
+    for _ in range(rounds):  # steps alternate one by one: both sides see the same machine
+        ta = tb = 0.0
+        for _ in range(steps):
+            ta += timed(native)
+            tb += timed(lambda: (other(), losses[-1].item()))
+        a.append(ta / steps * 1e3); b.append(tb / steps * 1e3)
     out[name] = {"native_ms": statistics.median(a), "mode_ms": statistics.median(b),
+                 "ratio": statistics.median(y / x for x, y in zip(a, b)),
                  "losses": [float(l) for l in losses[:6]]}
 if mode != "compile":
     import neuron_runtime
@@ -93,6 +100,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tier", default="reference", choices=["reference", "aoti"])
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=30, help="rounds of --steps steps per mode (medians of these)")
     p.add_argument("--cache-dir", help="local executable cache to use (default: a fresh temporary directory)")
     args = p.parse_args()
     cache = args.cache_dir or tempfile.mkdtemp(prefix="neuron-fusion-bench-")
@@ -104,13 +112,13 @@ def main() -> int:
     results = {}
     for mode, extra in modes.items():
         arg = "compile" if mode == "torch_compile" else "neuron"
-        r = subprocess.run([sys.executable, "-c", CHILD, arg, str(args.steps)], env=dict(base, **extra),
-                           capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-c", CHILD, arg, str(args.steps), str(args.rounds)],
+                           env=dict(base, **extra), capture_output=True, text=True)
         if r.returncode != 0:
             results[mode] = {"error": r.stderr[-1500:]}
             continue
         results[mode] = json.loads(r.stdout.strip().splitlines()[-1])
-    report: dict[str, object] = {"tier": args.tier, "steps_per_round": args.steps}
+    report: dict[str, object] = {"tier": args.tier, "steps_per_round": args.steps, "rounds": args.rounds}
     for model in ("mlp", "transformer_block"):
         row: dict[str, object] = {}
         for mode, res in results.items():
@@ -119,7 +127,7 @@ def main() -> int:
                 continue
             m = res[model]
             row[mode] = {"ms": round(m["mode_ms"], 3), "native_eager_ms_same_process": round(m["native_ms"], 3),
-                         "vs_native": round(m["mode_ms"] / m["native_ms"], 2)}
+                         "vs_native": round(m["ratio"], 2)}
         on, off = results.get("fusion_on", {}), results.get("fusion_off", {})
         if model in on and model in off:
             row["losses_equal_on_off"] = all(abs(a - b) <= 1e-5 * max(1.0, abs(b))

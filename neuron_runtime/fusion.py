@@ -175,7 +175,8 @@ class Fusion:
             self.mode = mode
             j = len(PENDING)
             if targets is None:
-                dsts = [torch.empty_strided(m[0], m[1], dtype=m[2]) for m in self.outmeta[k]]  # type: ignore[union-attr]
+                metas = self.outmeta[k] or []
+                dsts = [torch.empty_strided(m[0], m[1], dtype=m[2]) for m in metas]
                 result: Any = [wrap(d) for d in dsts]
                 if not info.returns_list:
                     result = result[0] if len(result) == 1 else tuple(result)

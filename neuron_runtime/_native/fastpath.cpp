@@ -434,8 +434,8 @@ struct OpState final : c10::OperatorKernel {
     bool keyed = build_key(*stack, base, key);
     if (keyed) {
       std::shared_ptr<Entry> e = find(key);
-      if (e && e->queue) {
-        if (!enqueue(op, e, stack, base)) call_python(op, stack, base, nullptr);
+      if (e && e->queue) {  // (an entry learned while fusion was on: only queued while it still is)
+        if (g_from_native == nullptr || !enqueue(op, e, stack, base)) call_python(op, stack, base, nullptr);
         return;
       }
       // Queued ops run first (the Python kernel sees to that itself on the other paths).
