@@ -129,8 +129,8 @@ class Fusion:
         """After an op's first real execution: its outputs' metadata and its signature, so it can be queued.
 
         A single-tensor op whose output has fewer than TORCH_NEURONX_FUSION_MIN_NUMEL elements is never
-        queued. Run alone on the native hit path it costs ~5 µs; queued, ~2 µs in the native queue (~15 µs
-        in Python's), plus its share of the group's flush and fused call (~30-40 µs for a short chain:
+        queued. Run alone on the native hit path it costs ~5 µs; queued, ~2.6 µs in the native queue (30-38
+        µs in Python's), plus its share of the group's flush and fused call (~30-40 µs for a short chain:
         the flush, the call, writing back the readable results), while fusing saves ~2.5 ns per element
         (DESIGN §3: 6 ops on 1M floats, 3.1 ms eager, 0.64 ms fused). At the benchmarks' sizes a 4-op
         chain took 40 µs fused against ~20 µs op by op. A `_foreach_` op is always queued: run alone it

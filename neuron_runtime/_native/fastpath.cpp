@@ -990,11 +990,14 @@ void run_queue() {
   }
   if (nodes.size() > 1) {
     auto it = g_groups.find(words);
-    if (it != g_groups.end() && run_group(*it->second, nodes, ext, live)) {
-      g_q_fused_runs.fetch_add(1, std::memory_order_relaxed);
-      g_q_ops_fused.fetch_add(static_cast<int64_t>(nodes.size()), std::memory_order_relaxed);
-      g_q_not_materialised.fetch_add(static_cast<int64_t>(n_dsts - live.size()), std::memory_order_relaxed);
-      return;
+    if (it != g_groups.end()) {
+      if (run_group(*it->second, nodes, ext, live)) {
+        g_q_fused_runs.fetch_add(1, std::memory_order_relaxed);
+        g_q_ops_fused.fetch_add(static_cast<int64_t>(nodes.size()), std::memory_order_relaxed);
+        g_q_not_materialised.fetch_add(static_cast<int64_t>(n_dsts - live.size()), std::memory_order_relaxed);
+        return;
+      }
+      g_groups.erase(it);  // it failed: Python decides (and remembers a group that cannot run fused)
     }
   }
   // Python decides (and runs) everything else. One CPU tensor object per neuron tensor, so Python's

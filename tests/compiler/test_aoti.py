@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -268,3 +269,22 @@ def test_device_end_to_end(device_run: subprocess.Popen[str]) -> None:
     stats = json.loads(out.strip().splitlines()[-1])
     assert stats["compiler"] == "aoti"
     assert stats["compiles"] >= 1 and not stats["fallback_ops"], stats
+
+
+def test_fused_group_runs_natively_end_to_end(aoti_root: Path) -> None:
+    """Fusion on `aoti`: a group with a run-time Scalar and an in-place op compiles into one executable,
+    which the native queue then runs itself (AOTInductor's runner, the Scalar as a 0-d tensor)."""
+    child = REPO / "tests" / "runtime" / "fusion_child.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_ENABLE_CONCATENATION="1",
+               TORCH_NEURONX_FUSION_MIN_SEEN="2", TORCH_NEURONX_FUSION_MIN_NUMEL="0",
+               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-fusion"))
+    r = subprocess.run([sys.executable, str(child), "compiled_group"], capture_output=True, text=True,
+                       env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    f = out["stats"]["fusion"]
+    assert out["ok"], out["steps_ok"]
+    assert f["groups_fused"] == 1 and f["fused_executions"] >= 3, f
+    if out["native"] is not None:
+        assert out["native"]["fused_executions"] >= 2, out["native"]

@@ -157,6 +157,16 @@ def main() -> int:
             a.data = z  # no op reaches the runtime: nothing flushes
             oks.append(torch.allclose(y.cpu(), torch.sigmoid(a0) * 3) and bool((a.cpu() == 0).all()))
         out = {"ok": all(oks), "steps_ok": oks}
+    elif scenario == "compiled_group":  # sigmoid, add (a run-time alpha), an in-place mul: one group
+        a0, b0, w0 = torch.rand(64), torch.rand(64), torch.rand(64) + 0.5
+        a, b, w = a0.to(D), b0.to(D), w0.to(D)
+        oks = []
+        for i in range(6):
+            alpha = 0.25 * (i + 1)
+            w.mul_(torch.add(torch.sigmoid(a), b, alpha=alpha))
+            w0.mul_(torch.add(torch.sigmoid(a0), b0, alpha=alpha))
+            oks.append(torch.allclose(w.cpu(), w0))  # reading w runs the queue
+        out = {"ok": all(oks), "steps_ok": oks}
     elif scenario == "views_elsewhere":  # views of memory no queued op writes do not flush
         x, w = torch.randn(64, device=D), torch.randn(8, 8, device=D)
         for _ in range(4):
