@@ -201,17 +201,59 @@ inline int64_t bits_of(double d) {
   return b;
 }
 
+// How an `aoti` executable runs without Python (its `__neuron_aoti__`): AOTInductor's container runner,
+// called with the tensors, then each run-time Scalar as a 0-d tensor of `scalar_dtypes`; numbers in
+// tensor slots (`wrapped`, by index in the tensor list) as 0-d tensors of their dtype. The runner is
+// owned by the executable (its Python loader), which the holder keeps alive.
+struct AotiCall {
+  torch::inductor::AOTIModelContainerRunner* runner = nullptr;
+  std::vector<c10::ScalarType> scalar_dtypes;
+  std::vector<std::pair<size_t, c10::ScalarType>> wrapped;
+
+  // Read from the executable; stays unset (runner null) for anything else, e.g. a runner type this
+  // build does not know: the holder then calls the executable from Python.
+  void read(py::handle exe) {
+    py::object aoti = py::getattr(exe, "__neuron_aoti__", py::none());
+    if (aoti.is_none()) return;
+    try {
+      auto t = aoti.cast<py::tuple>();
+      runner = t[0].cast<torch::inductor::AOTIModelContainerRunnerCpu*>();
+      for (py::handle d : t[1]) scalar_dtypes.push_back(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type);
+      for (py::handle w : t[2]) {
+        auto pair = w.cast<py::tuple>();
+        wrapped.emplace_back(pair[0].cast<size_t>(), reinterpret_cast<THPDtype*>(pair[1].ptr())->scalar_type);
+      }
+    } catch (const std::exception&) {
+      *this = AotiCall();
+    }
+  }
+
+  // `in`: the CPU tensors (wrapped numbers as they came); false if the call does not fit the artifact.
+  bool run(std::vector<at::Tensor> in, const std::vector<c10::IValue>& scalars,
+           std::vector<at::Tensor>& outs) const {
+    if (scalars.size() != scalar_dtypes.size()) return false;
+    for (const auto& [i, dtype] : wrapped) {
+      if (i >= in.size() || !in[i].unsafeGetTensorImpl()->is_wrapped_number()) return false;
+      in[i] = at::scalar_tensor(in[i].item(), at::TensorOptions().dtype(dtype));
+    }
+    for (const at::Tensor& t : in) {
+      if (t.unsafeGetTensorImpl()->is_wrapped_number()) return false;  // a slot the artifact does not know
+    }
+    for (size_t k = 0; k < scalars.size(); ++k) {
+      in.push_back(at::scalar_tensor(scalars[k].toScalar(), at::TensorOptions().dtype(scalar_dtypes[k])));
+    }
+    outs = runner->run(in);
+    return true;
+  }
+};
+
 // An executable the Python slow path made for a key, run without Python when it says how:
 //   aten    a `reference` executable: the functional aten op on host memory;
-//   runner  an `aoti` executable: AOTInductor's container runner, called with the tensors, then each
-//           run-time Scalar as a 0-d tensor of `scalar_dtypes`; numbers in tensor slots (`wrapped`, by
-//           index in the tensor list) as 0-d tensors of their dtype;
+//   aoti    an `aoti` executable (AotiCall);
 // otherwise `exe(tensors, scalars)` is called (one Python call).
 struct Entry {
   std::optional<c10::OperatorHandle> aten;
-  torch::inductor::AOTIModelContainerRunner* runner = nullptr;  // owned by `exe` (its Python loader)
-  std::vector<c10::ScalarType> scalar_dtypes;
-  std::vector<std::pair<size_t, c10::ScalarType>> wrapped;
+  AotiCall aoti;
   PyObject* exe = nullptr;  // strong reference; the GIL is taken to release it
   bool python_only = false;  // the slow path keeps no executable for this key (a host fallback), or
                              // fusion queues these calls and this file cannot (its Python kernel does)
@@ -262,9 +304,7 @@ struct QNode {
 };
 
 struct GroupExe {
-  torch::inductor::AOTIModelContainerRunner* runner = nullptr;
-  std::vector<c10::ScalarType> scalar_dtypes;
-  std::vector<std::pair<size_t, c10::ScalarType>> wrapped;
+  AotiCall aoti;
   PyObject* exe = nullptr;
   ~GroupExe() {
     if (exe != nullptr && Py_IsInitialized()) {
@@ -605,10 +645,10 @@ struct OpState final : c10::OperatorKernel {
             outs.push_back(r.isTensor() ? r.toTensor() : at::Tensor());
           }
         }
-      } else if (e.runner != nullptr) {
+      } else if (e.aoti.runner != nullptr) {
         std::vector<at::Tensor> in;
-        in.reserve(n + e.scalar_dtypes.size());
-        size_t k = 0;
+        std::vector<c10::IValue> scalars;
+        in.reserve(n);
         for (size_t i = 0; i < n; ++i) {
           const c10::IValue& v = (*stack)[base + i];
           if (kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) {
@@ -618,23 +658,12 @@ struct OpState final : c10::OperatorKernel {
           } else if (kinds[i] == TENSORS) {
             for (const at::Tensor& t : v.toTensorList()) in.push_back(to_cpu(t));
           } else if (kinds[i] == SCALAR && !v.isNone()) {
-            if (k >= e.scalar_dtypes.size()) return false;
-            in.push_back(at::scalar_tensor(v.toScalar(), at::TensorOptions().dtype(e.scalar_dtypes[k++])));
+            scalars.push_back(v);
           } else if (kinds[i] == SCALARS && !v.isNone()) {
-            for (const c10::IValue& x : v.toListRef()) {
-              if (k >= e.scalar_dtypes.size()) return false;
-              in.push_back(at::scalar_tensor(x.toScalar(), at::TensorOptions().dtype(e.scalar_dtypes[k++])));
-            }
+            for (const c10::IValue& x : v.toListRef()) scalars.push_back(x);
           }
         }
-        for (const auto& [i, dtype] : e.wrapped) {
-          if (i >= in.size() || !in[i].unsafeGetTensorImpl()->is_wrapped_number()) return false;
-          in[i] = at::scalar_tensor(in[i].item(), at::TensorOptions().dtype(dtype));
-        }
-        for (const at::Tensor& t : in) {
-          if (t.unsafeGetTensorImpl()->is_wrapped_number()) return false;  // a slot the artifact does not know
-        }
-        outs = e.runner->run(in);
+        if (!e.aoti.run(std::move(in), scalars, outs)) return false;
       } else {
         py::gil_scoped_acquire gil;
         py::list tensors, scalars;
@@ -821,22 +850,7 @@ struct OpState final : c10::OperatorKernel {
         if (!handle) return nullptr;
         e->aten = *handle;
       }
-      py::object aoti = py::getattr(exe, "__neuron_aoti__", py::none());
-      if (!aoti.is_none() && !e->aten) {
-        try {
-          auto t = aoti.cast<py::tuple>();
-          e->runner = t[0].cast<torch::inductor::AOTIModelContainerRunnerCpu*>();
-          for (py::handle d : t[1]) e->scalar_dtypes.push_back(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type);
-          for (py::handle w : t[2]) {
-            auto pair = w.cast<py::tuple>();
-            e->wrapped.emplace_back(pair[0].cast<size_t>(), reinterpret_cast<THPDtype*>(pair[1].ptr())->scalar_type);
-          }
-        } catch (const std::exception&) {  // not the runner type this build knows: one Python call instead
-          e->runner = nullptr;
-          e->scalar_dtypes.clear();
-          e->wrapped.clear();
-        }
-      }
+      if (!e->aten) e->aoti.read(exe);
       e->exe = exe.release().ptr();
     }
     std::lock_guard<std::mutex> lock(mu);
@@ -854,25 +868,10 @@ bool run_group(const GroupExe& g, const std::vector<QNode>& nodes, const std::ve
                const std::vector<std::pair<int64_t, int64_t>>& live) {
   std::vector<at::Tensor> outs;
   try {
-    if (g.runner != nullptr) {
-      std::vector<at::Tensor> in;
-      in.reserve(ext.size() + g.scalar_dtypes.size());
-      in.insert(in.end(), ext.begin(), ext.end());
-      size_t k = 0;
-      for (const QNode& node : nodes) {
-        for (const c10::IValue& v : node.scalars) {
-          if (k >= g.scalar_dtypes.size()) return false;
-          in.push_back(at::scalar_tensor(v.toScalar(), at::TensorOptions().dtype(g.scalar_dtypes[k++])));
-        }
-      }
-      for (const auto& [i, dtype] : g.wrapped) {
-        if (i >= in.size() || !in[i].unsafeGetTensorImpl()->is_wrapped_number()) return false;
-        in[i] = at::scalar_tensor(in[i].item(), at::TensorOptions().dtype(dtype));
-      }
-      for (const at::Tensor& t : in) {
-        if (t.unsafeGetTensorImpl()->is_wrapped_number()) return false;
-      }
-      outs = g.runner->run(in);
+    if (g.aoti.runner != nullptr) {
+      std::vector<c10::IValue> scalars;
+      for (const QNode& node : nodes) scalars.insert(scalars.end(), node.scalars.begin(), node.scalars.end());
+      if (!g.aoti.run(ext, scalars, outs)) return false;
     } else {
       py::list tensors, scalars;
       for (const at::Tensor& t : ext) {
@@ -903,22 +902,7 @@ bool run_group(const GroupExe& g, const std::vector<QNode>& nodes, const std::ve
 
 std::shared_ptr<GroupExe> group_exe(py::handle exe) {
   auto g = std::make_shared<GroupExe>();
-  py::object aoti = py::getattr(exe, "__neuron_aoti__", py::none());
-  if (!aoti.is_none()) {
-    try {
-      auto t = aoti.cast<py::tuple>();
-      g->runner = t[0].cast<torch::inductor::AOTIModelContainerRunnerCpu*>();
-      for (py::handle d : t[1]) g->scalar_dtypes.push_back(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type);
-      for (py::handle w : t[2]) {
-        auto pair = w.cast<py::tuple>();
-        g->wrapped.emplace_back(pair[0].cast<size_t>(), reinterpret_cast<THPDtype*>(pair[1].ptr())->scalar_type);
-      }
-    } catch (const std::exception&) {
-      g->runner = nullptr;
-      g->scalar_dtypes.clear();
-      g->wrapped.clear();
-    }
-  }
+  g->aoti.read(exe);
   g->exe = exe.inc_ref().ptr();
   return g;
 }

@@ -288,3 +288,27 @@ def test_fused_group_runs_natively_end_to_end(aoti_root: Path) -> None:
     assert f["groups_fused"] == 1 and f["fused_executions"] >= 3, f
     if out["native"] is not None:
         assert out["native"]["fused_executions"] >= 2, out["native"]
+
+
+def test_native_runner_passes_scalars_after_tensors(aoti_root: Path) -> None:
+    """`pow.Scalar(Scalar self, Tensor exponent)`: the schema puts a run-time Scalar before the tensor,
+    the artifact takes tensors first. The native hit path must call it in the artifact's order (it once
+    passed them in schema order: AOTInductor failed on every call and the Python kernel took over)."""
+    script = textwrap.dedent("""
+        import json, torch, neuron_runtime
+        from neuron_runtime import _hostmem
+        x = torch.rand(8)
+        got = [torch.pow(1.5, x.to("neuron")).cpu() for _ in range(4)]
+        print(json.dumps({"ok": all(torch.allclose(g, torch.pow(1.5, x)) for g in got),
+                          "native": None if _hostmem.NATIVE is None else _hostmem.NATIVE.executions()}))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-pow"))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900,
+                       cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ok"]
+    assert "API call failed" not in r.stderr, r.stderr[-2000:]
+    if out["native"] is not None:
+        assert out["native"] >= 2  # hits after the first call ran natively
