@@ -102,8 +102,7 @@ class Fusion:
         self.min_seen = max(1, cfg.fusion_min_seen)
         self.min_numel = max(0, cfg.fusion_min_numel)
         self.lock = threading.RLock()
-        # id(CPU tensor a queued op writes) -> (node, output) of its last writer
-        self.producers: dict[int, tuple[int, int]] = {}
+        self.written: set[int] = set()        # ids of the CPU tensors queued ops write (wired at the flush)
         self.pending_ptrs: set[int] = set()   # storage pointers of the memory queued ops write
         self.fresh: set[int] = set()          # ids of the buffers allocated for queued functional ops
         self.mode: tuple[bool, bool] | None = None  # (grad mode, autocast) of the queued ops
@@ -166,9 +165,9 @@ class Fusion:
             if PENDING and mode != self.mode:
                 self.flush("grad_or_autocast")
             if PENDING:
-                producers, ptrs = self.producers, self.pending_ptrs
+                written, ptrs = self.written, self.pending_ptrs
                 for c in (ins if targets is None else (*ins, *targets)):
-                    if isinstance(c, torch.Tensor) and id(c) not in producers and \
+                    if isinstance(c, torch.Tensor) and id(c) not in written and \
                             c.untyped_storage().data_ptr() in ptrs:
                         self.flush("reads_pending_memory")
                         break
@@ -183,8 +182,8 @@ class Fusion:
                 self.fresh.update(id(d) for d in dsts)
             else:
                 dsts, result = targets, True
-            for i, d in enumerate(dsts):
-                self.producers[id(d)] = (j, i)
+            for d in dsts:
+                self.written.add(id(d))
                 self.pending_ptrs.add(d.untyped_storage().data_ptr())
             PENDING.append(_Node(info, key, exe, ins, scalars, dsts, targets is not None))
             if j == 0:
@@ -213,7 +212,7 @@ class Fusion:
                 _hostmem.NATIVE.run_queue()
                 return
             fresh = self.fresh
-            self.producers, self.pending_ptrs, self.fresh, self.mode = {}, set(), set(), None
+            self.written, self.pending_ptrs, self.fresh, self.mode = set(), set(), set(), None
             self._flush_nodes(nodes, lambda w: id(nodes[w[0]].dsts[w[1]]) not in fresh or
                               nodes[w[0]].dsts[w[1]]._use_count() > 1)
 

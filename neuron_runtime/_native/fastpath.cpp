@@ -247,6 +247,23 @@ struct AotiCall {
   }
 };
 
+// Call an executable from Python as `exe(tensors, scalars)`; its outputs (None as an undefined tensor),
+// or false if it raised or returned something else.
+bool call_exe(PyObject* exe, const py::list& tensors, const py::list& scalars, std::vector<at::Tensor>& outs) {
+  py::object r = py::reinterpret_steal<py::object>(
+      PyObject_CallFunctionObjArgs(exe, tensors.ptr(), scalars.ptr(), nullptr));
+  if (!r) {
+    PyErr_Clear();
+    return false;
+  }
+  for (py::handle o : r) {
+    if (o.is_none()) outs.emplace_back();
+    else if (THPVariable_Check(o.ptr())) outs.push_back(THPVariable_Unpack(o.ptr()));
+    else return false;
+  }
+  return true;
+}
+
 // An executable the Python slow path made for a key, run without Python when it says how:
 //   aten    a `reference` executable: the functional aten op on host memory;
 //   aoti    an `aoti` executable (AotiCall);
@@ -684,17 +701,7 @@ struct OpState final : c10::OperatorKernel {
             for (const c10::IValue& x : v.toListRef()) scalars.append(torch::jit::toPyObject(x));
           }
         }
-        py::object r = py::reinterpret_steal<py::object>(
-            PyObject_CallFunctionObjArgs(e.exe, tensors.ptr(), scalars.ptr(), nullptr));
-        if (!r) {
-          PyErr_Clear();
-          return false;
-        }
-        for (py::handle o : r) {
-          if (o.is_none()) outs.emplace_back();
-          else if (THPVariable_Check(o.ptr())) outs.push_back(THPVariable_Unpack(o.ptr()));
-          else return false;
-        }
+        if (!call_exe(e.exe, tensors, scalars, outs)) return false;
       }
       if (mutated >= 0) {
         const c10::IValue& target = (*stack)[base + mutated];
@@ -881,15 +888,9 @@ bool run_group(const GroupExe& g, const std::vector<QNode>& nodes, const std::ve
       for (const QNode& node : nodes) {
         for (const c10::IValue& v : node.scalars) scalars.append(torch::jit::toPyObject(v));
       }
-      py::object r = py::reinterpret_steal<py::object>(
-          PyObject_CallFunctionObjArgs(g.exe, tensors.ptr(), scalars.ptr(), nullptr));
-      if (!r) {
-        PyErr_Clear();
-        return false;
-      }
-      for (py::handle o : r) {
-        if (!THPVariable_Check(o.ptr())) return false;
-        outs.push_back(THPVariable_Unpack(o.ptr()));
+      if (!call_exe(g.exe, tensors, scalars, outs)) return false;
+      for (const at::Tensor& o : outs) {
+        if (!o.defined()) return false;  // every output of a group is one to write back
       }
     }
     if (outs.size() != live.size()) return false;
