@@ -110,7 +110,7 @@ class Fusion:
         self.outmeta: dict[tuple[str, Any], list[tuple[Any, Any, Any]] | None] = {}
         self.sigs: dict[tuple[str, Any], dict[str, Any]] = {}
         self.seen: dict[Any, int] = {}
-        self.fused: dict[Any, Any] = {}       # (structure, live outputs) -> executable | UNFUSIBLE
+        self.fused: dict[Any, Any] = {}       # (structure, live outputs, into) -> executable | UNFUSIBLE
         # Per (op, key): flushes it was in, and whether one of them held other ops too. An op that
         # always flushes alone has nothing to fuse with: after min_seen flushes it is no longer queued
         # (`solo`, which also holds ops whose outputs are too small to be worth queueing).
@@ -252,7 +252,7 @@ class Fusion:
             live = tuple(sorted(w for w in writer.values() if readable(w)))
             self.stats["outputs_not_materialised"] += sum(len(n.dsts) for n in nodes) - len(live)
             if len(nodes) > 1 and seen >= self.min_seen and self.fused.get(group) is not UNFUSIBLE:
-                exe = self._run_fused(group, nodes, ext, live)
+                exe = self._run_fused(group, nodes, ext, live, _into(nodes, ext, ext_index, live))
                 if exe is not None:
                     return exe
             self._run_each(nodes)
@@ -289,18 +289,22 @@ class Fusion:
             for d, o in zip(node.dsts, node.exe(node.ins, node.scalars)):
                 d.copy_(o)
 
-    def _run_fused(self, group: Any, nodes: list[_Node], ext: list[Any], live: tuple[tuple[int, int], ...]) -> Any:
-        exe = self.fused.get((group, live))
+    def _run_fused(self, group: Any, nodes: list[_Node], ext: list[Any], live: tuple[tuple[int, int], ...],
+                   into: tuple[int, ...]) -> Any:
+        exe = self.fused.get((group, live, into))
         if exe is None:
+            spec = [j if i == 0 else [j, i] for j, i in live]
             sig = {"op": "fused:" + "+".join(s[0].removeprefix("aten::") for s in group),
                    "graph": [{"sig": self.sigs[(s[0], s[1])], "in": [list(w) for w in s[2]]} for s in group],
-                   "outputs": [j if i == 0 else [j, i] for j, i in live]}
+                   "outputs": [o for o, e in zip(spec, into) if e < 0]}
+            if any(e >= 0 for e in into):
+                sig["into"] = [[o, e] for o, e in zip(spec, into) if e >= 0]
             try:
                 exe, _ = self.rt.executable_for(sig)
             except Exception:  # noqa: BLE001 - a group that cannot compile runs op by op, for good
                 self.fused[group] = UNFUSIBLE
                 return None
-            self.fused[(group, live)] = exe
+            self.fused[(group, live, into)] = exe
             self.stats["groups_fused"] += 1
         scalars = [s for node in nodes for s in node.scalars]
         try:
@@ -308,11 +312,31 @@ class Fusion:
         except Exception:  # noqa: BLE001
             self.fused[group] = UNFUSIBLE
             return None
-        for (j, i), o in zip(live, outs):
+        for (j, i), o in zip([w for w, e in zip(live, into) if e < 0], outs):
             nodes[j].dsts[i].copy_(o)
         self.stats["fused_executions"] += 1
         self.stats["ops_fused"] += len(nodes)
         return exe
+
+
+def _into(nodes: list[_Node], ext: list[Any], ext_index: dict[int, int],
+          live: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """Per live result, the group input the fused executable writes it into (-1: it returns it).
+
+    A tensor an in-place op updates is written in place by the executable when the group also reads it
+    as an input (its first reader reads the old value) and no other input shares its memory (within one
+    kernel, a store to it could otherwise reach another input's reads): no output buffer, no copy. The
+    native queue applies the same rule (`run_queue` in _native/fastpath.cpp) and keys groups by it."""
+    out = []
+    storages: dict[int, int] = {}
+    for c in ext:
+        if isinstance(c, torch.Tensor):
+            p = c.untyped_storage().data_ptr()
+            storages[p] = storages.get(p, 0) + 1
+    for j, i in live:
+        e = ext_index.get(id(nodes[j].dsts[i])) if nodes[j].inplace else None
+        out.append(e if e is not None and storages[ext[e].untyped_storage().data_ptr()] == 1 else -1)
+    return tuple(out)
 
 
 _DEVICE = "neuron"

@@ -229,8 +229,10 @@ struct AotiCall {
   }
 
   // `in`: the CPU tensors (wrapped numbers as they came); false if the call does not fit the artifact.
+  // `held`: 0-d tensors this caller keeps for the Scalars, refilled in place call after call (the
+  // caller makes sure no two calls share them at once); without it each call allocates its own.
   bool run(std::vector<at::Tensor> in, const std::vector<c10::IValue>& scalars,
-           std::vector<at::Tensor>& outs) const {
+           std::vector<at::Tensor>& outs, std::vector<at::Tensor>* held = nullptr) const {
     if (scalars.size() != scalar_dtypes.size()) return false;
     for (const auto& [i, dtype] : wrapped) {
       if (i >= in.size() || !in[i].unsafeGetTensorImpl()->is_wrapped_number()) return false;
@@ -239,8 +241,21 @@ struct AotiCall {
     for (const at::Tensor& t : in) {
       if (t.unsafeGetTensorImpl()->is_wrapped_number()) return false;  // a slot the artifact does not know
     }
+    if (held != nullptr && held->size() != scalars.size()) {
+      held->clear();
+      for (c10::ScalarType dtype : scalar_dtypes) held->push_back(at::zeros({}, at::TensorOptions().dtype(dtype)));
+    }
     for (size_t k = 0; k < scalars.size(); ++k) {
-      in.push_back(at::scalar_tensor(scalars[k].toScalar(), at::TensorOptions().dtype(scalar_dtypes[k])));
+      c10::Scalar v = scalars[k].toScalar();
+      if (held != nullptr && scalar_dtypes[k] == at::kDouble) {
+        *(*held)[k].mutable_data_ptr<double>() = v.toDouble();
+        in.push_back((*held)[k]);
+      } else if (held != nullptr && scalar_dtypes[k] == at::kLong) {
+        *(*held)[k].mutable_data_ptr<int64_t>() = v.toLong();
+        in.push_back((*held)[k]);
+      } else {
+        in.push_back(at::scalar_tensor(v, at::TensorOptions().dtype(scalar_dtypes[k])));
+      }
     }
     outs = runner->run(in);
     return true;
@@ -322,6 +337,7 @@ struct QNode {
 
 struct GroupExe {
   AotiCall aoti;
+  std::vector<at::Tensor> scalars;  // its Scalars' 0-d tensors (AotiCall::run; used under the GIL)
   PyObject* exe = nullptr;
   ~GroupExe() {
     if (exe != nullptr && Py_IsInitialized()) {
@@ -871,14 +887,16 @@ struct OpState final : c10::OperatorKernel {
 };
 
 // Run the native queue (fusion.flush calls this when its marker is queued; the GIL is held).
-bool run_group(const GroupExe& g, const std::vector<QNode>& nodes, const std::vector<at::Tensor>& ext,
-               const std::vector<std::pair<int64_t, int64_t>>& live) {
+// `into[k]`: the input the executable writes live result k into, or -1 where it returns it (see
+// fusion._into, whose rule run_queue applies).
+bool run_group(GroupExe& g, const std::vector<QNode>& nodes, const std::vector<at::Tensor>& ext,
+               const std::vector<std::pair<int64_t, int64_t>>& live, const std::vector<int64_t>& into) {
   std::vector<at::Tensor> outs;
   try {
     if (g.aoti.runner != nullptr) {
       std::vector<c10::IValue> scalars;
       for (const QNode& node : nodes) scalars.insert(scalars.end(), node.scalars.begin(), node.scalars.end());
-      if (!g.aoti.run(ext, scalars, outs)) return false;
+      if (!g.aoti.run(ext, scalars, outs, &g.scalars)) return false;
     } else {
       py::list tensors, scalars;
       for (const at::Tensor& t : ext) {
@@ -893,8 +911,12 @@ bool run_group(const GroupExe& g, const std::vector<QNode>& nodes, const std::ve
         if (!o.defined()) return false;  // every output of a group is one to write back
       }
     }
-    if (outs.size() != live.size()) return false;
-    for (size_t k = 0; k < live.size(); ++k) nodes[live[k].first].dsts[live[k].second].copy_(outs[k]);
+    size_t n = 0;
+    for (int64_t e : into) n += e < 0 ? 1 : 0;
+    if (outs.size() != n) return false;
+    for (size_t k = 0, o = 0; k < live.size(); ++k) {
+      if (into[k] < 0) nodes[live[k].first].dsts[live[k].second].copy_(outs[o++]);
+    }
   } catch (const std::exception&) {
     return false;
   }
@@ -964,10 +986,24 @@ void run_queue() {
     if (!nodes[w.first].fresh[w.second] || d.use_count() > slots[d.unsafeGetTensorImpl()]) live.push_back(w);
   }
   std::sort(live.begin(), live.end());
+  // Which live results the executable writes into an input (fusion._into): an in-place op's target the
+  // group also reads as input, when no other input shares its memory.
+  std::unordered_map<const void*, int> storages;
+  for (const at::Tensor& t : ext) {
+    if (!t.unsafeGetTensorImpl()->is_wrapped_number()) ++storages[storage_ptr(t)];
+  }
+  std::vector<int64_t> into;
   words.push_back(T_LIST);
   for (const auto& [j, i] : live) {
+    int64_t e = -1;
+    if (nodes[j].inplace) {
+      auto x = ext_index.find(nodes[j].ids[i]._unsafe_get_target());
+      if (x != ext_index.end() && storages[storage_ptr(ext[x->second])] == 1) e = x->second;
+    }
+    into.push_back(e);
     words.push_back(j);
     words.push_back(i);
+    words.push_back(e);
   }
   if (g_groups_generation != g_generation.load()) {
     g_groups.clear();
@@ -976,7 +1012,7 @@ void run_queue() {
   if (nodes.size() > 1) {
     auto it = g_groups.find(words);
     if (it != g_groups.end()) {
-      if (run_group(*it->second, nodes, ext, live)) {
+      if (run_group(*it->second, nodes, ext, live, into)) {
         g_q_fused_runs.fetch_add(1, std::memory_order_relaxed);
         g_q_ops_fused.fetch_add(static_cast<int64_t>(nodes.size()), std::memory_order_relaxed);
         g_q_not_materialised.fetch_add(static_cast<int64_t>(n_dsts - live.size()), std::memory_order_relaxed);

@@ -127,6 +127,7 @@ class AotiCompiler(Compiler):
             _toolchain.check_host(self.march)
         except _toolchain.ToolchainError as e:
             raise CompileRefused(f"{qualname}: {e}") from e
+        into = [int(i) for _, i in signature.get("into", [])]  # inputs a fused group writes in place
         if "graph" in signature:  # a fused group (neuron_runtime.fusion)
             run = build_graph(signature, wrapped_as_tensors=True,
                               choose=lambda sig, op: _per_element(sig["op"], op, sig) or op)
@@ -157,13 +158,13 @@ class AotiCompiler(Compiler):
         meta = {"format": ARTIFACT_FORMAT, "fingerprint": fp, "signature": signature,
                 "n_tensors": n_tensors, "scalar_types": scalar_types, "wrapped": wrapped_slots(signature)}
         payload = _repackage(qualname, raw, meta, str(scratch.tmp))
-        self._self_check(qualname, payload, run, n_tensors, scalar_types, signature)
+        self._self_check(qualname, payload, run, n_tensors, scalar_types, signature, into)
         log.info("aoti: compiled %s (export %.1fs, compile %.1fs, %d bytes)", qualname, t1 - t0, t2 - t1,
                  len(payload))
         return payload
 
     def _self_check(self, qualname: str, payload: bytes, run: Executable, n_tensors: int,
-                    scalar_types: list[str], signature: dict[str, Any]) -> None:
+                    scalar_types: list[str], signature: dict[str, Any], into: Sequence[int] = ()) -> None:
         """Load the fresh artifact and run it once against eager on example values (a few ms).
 
         Catches what compiles but cannot run (AOTInductor's proxy executor rejects symbolic scalars only
@@ -172,6 +173,9 @@ class AotiCompiler(Compiler):
         tensors, scalars = inputs[:n_tensors], [0.5 if t == "float" else 2 for t in scalar_types]
         for i, _dtype in wrapped_slots(signature):
             tensors[i] = tensors[i].item()  # the dispatcher passes these as Python numbers
+        # A fused group writing results into its inputs (`into`): each side runs on its own copies, and
+        # what it wrote is compared as its other outputs are.
+        mine = [t.clone() if i in into else t for i, t in enumerate(tensors)]
         try:
             exe = self.load(payload)
         except Exception as e:  # noqa: BLE001 - an artifact that cannot load is refused, never cached
@@ -179,11 +183,13 @@ class AotiCompiler(Compiler):
                                  f"{str(e).strip()[:300]})") from e
         try:
             want = run(tensors, scalars)
+            want = list(want) + [tensors[i] for i in into]
         except Exception:  # noqa: BLE001 - eager rejects the example values (a matrix that is not
             # positive-definite for cholesky, pivots for lu_unpack): the artifact may reject them too
             want = None
         try:
-            got = exe(tensors, scalars)
+            got = exe(mine, scalars)
+            got = list(got) + [mine[i] for i in into]
         except Exception as e:  # noqa: BLE001 - an artifact that cannot run is refused, never cached
             if want is None:
                 log.debug("aoti: %s and its eager reference both reject the example values", qualname)
@@ -195,9 +201,9 @@ class AotiCompiler(Compiler):
             return
         if len(got) != len(want):
             raise CompileRefused(f"{qualname}: compiled artifact returns {len(got)} outputs, the op {len(want)}")
-        held = {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+        held = {t.untyped_storage().data_ptr() for t in mine if isinstance(t, torch.Tensor)}
         for i, (g, w) in enumerate(zip(got, want)):
-            if g.numel() and g.untyped_storage().data_ptr() in held:
+            if i < len(got) - len(into) and g.numel() and g.untyped_storage().data_ptr() in held:
                 raise CompileRefused(f"{qualname}: compiled artifact returns an input's memory as output {i}")
             # Strides of size-1 dimensions are arbitrary; every other stride is the op's layout contract.
             # An empty output has no layout to honour.

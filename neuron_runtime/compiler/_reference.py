@@ -127,8 +127,9 @@ def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
                 choose: Callable[[dict[str, Any], Any], Any] | None = None) -> Executable:
     """A fused group (see `neuron_runtime.fusion`): its ops in order, each reading the group's inputs
     (`["e", i]`) or an earlier op's result (`["n", j]`: its output 0, `["n", j, k]`: its output k, an
-    element of a `_foreach_` op's list); returns the results listed in `outputs` (`j` or `[j, k]`).
-    Intermediates pass from op to op without being copied anywhere. `wrapped_as_tensors`: see build_call;
+    element of a `_foreach_` op's list); returns the results listed in `outputs` (`j` or `[j, k]`), and
+    writes those listed in `into` (`[result, i]`) into input `i` in place. Intermediates pass from op to
+    op without being copied anywhere. `wrapped_as_tensors`: see build_call;
     `choose(node signature, op)`: what to call for a node instead of its op (a compiler's stand-in)."""
     steps = []
     for node in signature["graph"]:
@@ -139,7 +140,11 @@ def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
                         len(desc) if kind == _ops.SCALARS and desc is not None else 0
                         for _, kind, desc in node["sig"]["args"])
         steps.append((call, wiring, n_scalars))
-    outputs = [(int(o), 0) if isinstance(o, int) else (int(o[0]), int(o[1])) for o in signature["outputs"]]
+    def result(o: Any) -> tuple[int, int]:
+        return (int(o), 0) if isinstance(o, int) else (int(o[0]), int(o[1]))
+
+    outputs = [result(o) for o in signature["outputs"]]
+    into = [(result(o), int(i)) for o, i in signature.get("into", [])]
 
     def run(T: Any, S: Any) -> list[Any]:
         results: list[Any] = []
@@ -148,6 +153,8 @@ def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
             ins = [results[i][k] if internal else T[i] for internal, i, k in wiring]
             results.append(call(ins, S[si:si + n_scalars]))
             si += n_scalars
+        for (j, k), i in into:
+            T[i].copy_(results[j][k])
         return [results[j][k] for j, k in outputs]
 
     return run

@@ -121,20 +121,24 @@ def _foreach_graph_signature() -> dict[str, Any]:
     return {"op": "fused:_foreach_mul+_foreach_addcdiv",
             "graph": [{"sig": mul, "in": [["e", 0], ["e", 1]]},
                       {"sig": addcdiv, "in": [["e", 2], ["e", 3], ["n", 0], ["n", 0, 1], ["e", 4], ["e", 5]]}],
-            "outputs": [1, [1, 1], 0]}
+            "outputs": [1, [1, 1]], "into": [[0, 0]]}  # x[0] * s is written into input 0 (x[0])
 
 
 def test_fused_foreach_group_wires_list_elements(compiled: dict[str, Any]) -> None:
-    """`_foreach_` nodes (list outputs, element-wise wiring, ScalarList inputs) compile to one call."""
+    """`_foreach_` nodes (list outputs, element-wise wiring, ScalarList inputs) compile to one call, which
+    writes the results listed in `into` into its inputs (after every read of their old values)."""
     g = compiled["foreach_graph"]
     x, y, z = ([torch.randn(5), torch.randn(3, 4)] for _ in range(3))
     z = [t.abs() + 0.5 for t in z]
     for s, cs in ((0.9, [0.1, 0.2]), (-2.0, [3.0, -0.5])):
+        x0, x1 = x[0].clone(), x[1].clone()
         got = g.exe([x[0], x[1], y[0], y[1], z[0], z[1]], [s, *cs])
-        want = [y[i] + cs[i] * (x[i] * s) / z[i] for i in range(2)] + [x[0] * s]
-        assert len(got) == 3
+        want = [y[0] + cs[0] * (x0 * s) / z[0], y[1] + cs[1] * (x1 * s) / z[1]]
+        assert len(got) == 2
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
+        torch.testing.assert_close(x[0], x0 * s)  # written in place
+        torch.testing.assert_close(x[1], x1)  # only read
 
 
 def test_scalars_are_run_time_inputs(compiled: dict[str, Compiled]) -> None:

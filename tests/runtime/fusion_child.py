@@ -175,6 +175,34 @@ def main() -> int:
             z = chain(y + wt)
             ok = torch.allclose(z.cpu(), chain(chain(x.cpu()) + w.cpu().t().reshape(64)))
         out = {"ok": ok}
+    elif scenario == "into":  # which in-place results the fused executable writes into its inputs
+        from neuron_runtime.compiler._reference import ReferenceCompiler
+
+        sigs: list[dict[str, object]] = []
+        orig_compile = ReferenceCompiler.compile
+
+        def recording(self, sig):  # type: ignore[no-untyped-def]
+            if "graph" in sig:
+                sigs.append(sig)
+            return orig_compile(self, sig)
+
+        ReferenceCompiler.compile = recording  # type: ignore[method-assign]
+        a0, b0, base0 = torch.rand(16), torch.rand(16), torch.rand(32)
+        a, b, base = a0.to(D), b0.to(D), base0.to(D)
+        u, u0 = base[:16], base0[:16]  # u shares its memory with base, which the group also reads
+        def program(x: torch.Tensor, y: torch.Tensor, bs: torch.Tensor, uu: torch.Tensor) -> torch.Tensor:
+            x.mul_(y).add_(torch.sigmoid(x))  # x: read, then updated in place
+            z = torch.sigmoid(bs) * 2  # reads all of base ...
+            uu.mul_(3)  # ... before u, a part of it, is updated
+            return z
+
+        oks = []
+        for _ in range(5):
+            z, z0 = program(a, b, base, u), program(a0, b0, base0, u0)
+            oks.append(torch.allclose(a.cpu(), a0) and torch.allclose(z.cpu(), z0) and
+                       torch.allclose(base.cpu(), base0))
+        out = {"ok": all(oks), "steps_ok": oks, "groups": [{k: sig[k] for k in ("op", "outputs", "into")
+                                                            if k in sig} for sig in sigs]}
     elif scenario == "off":
         x = torch.randn(16, device=D)
         chain(x).cpu()

@@ -71,6 +71,20 @@ def test_queued_op_reads_its_inputs_as_they_were_when_queued(tmp_path: Path, nat
     assert out["stats"]["fusion"]["ops_buffered"] > 0
 
 
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native_queue", "python_queue"])
+def test_fused_group_writes_in_place_results_into_its_inputs(tmp_path: Path, native: str) -> None:
+    out = run("into", tmp_path, TORCH_NEURONX_NATIVE=native)
+    assert out["ok"], out["steps_ok"]
+    [group] = out["groups"]
+    # a (input 0) is written in place by the executable; u shares base's memory, which the group also
+    # reads: its result is returned and copied, never written into an input that aliases another
+    assert [e for _, e in group["into"]] == [0], group
+    assert group["op"].split("+")[-1] == "mul_.Tensor", group  # the update of u: the group's last op
+    assert group["op"].count("+") in group["outputs"], group
+    if native == "1" and out["native"] is not None:  # the native queue ran it itself, by the same rule
+        assert out["native"]["fused_executions"] >= 2, out["native"]
+
+
 def test_views_of_other_memory_do_not_flush(tmp_path: Path) -> None:
     out = run("views_elsewhere", tmp_path)
     if out["native"] is None:
