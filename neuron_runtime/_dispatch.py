@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from . import _config, _entries, _hostmem, _ops, _signature
+from . import _config, _hostmem, _ops, _resolver, _signature
 from .cache import CacheMissError, IntegrityError, TieredCache
 from ._hostmem import to_cpu, to_neuron
-from .compiler import CompileRefused, Compiler, Executable, get_compiler
+from .compiler import CompileRefused, Compiler, Executable
 
 log = logging.getLogger(__name__)
 
@@ -155,37 +155,46 @@ FALLBACK = _Fallback()
 
 
 class Runtime:
+    """One process's runtime: the executable resolver, fallbacks, counters and fusion."""
+
     def __init__(self, cfg: _config.Config) -> None:
         self.cfg = cfg
-        self.compiler: Compiler = get_compiler(cfg.compiler)
-        self.fingerprint = self.compiler.fingerprint()
         self.lock = threading.RLock()
-        self.by_digest: dict[str, Executable] = {}
         self.fallback_keys: set[tuple[str, Any]] = set()
         self.fallback_ops: dict[str, str] = {}   # op name -> reason (first seen)
         self.host_ops: set[str] = set()
         FAST[0] = 0
         if _hostmem.NATIVE is not None:
             _hostmem.NATIVE.reset_counters()
-        # One dict of counters, shared with the TieredCache (which adds hits["local"/"fleet"], misses,
-        # compiles, corrupt, fleet_errors, writes_skipped, lease_waits).
+        # One dict of counters, shared with the resolver's TieredCache (which adds hits["local"/"fleet"],
+        # misses, compiles, corrupt, fleet_errors, writes_skipped, lease_waits).
         self.counts: dict[str, Any] = {"executions": 0, "compiles": 0, "fallbacks": 0, "corrupt": 0,
                                        "misses": 0, "host_ops": 0, "loads": 0, "hits": {"memory": 0}}
-        self._cache: TieredCache | None = None
-        self._cache_opened = False
-        self.recorder: Callable[[dict[str, Any], str], None] | None = None
-        if cfg.record_file:
-            from ._record import Recorder
-
-            self.recorder = Recorder(cfg.record_file)
+        self.resolver = _resolver.Resolver(cfg, self.counts, self.lock, on_evict=self._evicted)
         from . import fusion
 
         self.fusion = fusion.install(self)  # None unless TORCH_NEURONX_ENABLE_CONCATENATION=1
 
+    @property
+    def compiler(self) -> Compiler:
+        return self.resolver.compiler
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return self.resolver.fingerprint
+
+    @property
+    def by_digest(self) -> dict[str, Executable]:
+        """The memory tier: loaded executables by cache key."""
+        return self.resolver.by_digest
+
+    @property
+    def cache(self) -> TieredCache | None:
+        return self.resolver.cache
+
     def set_compiler(self, compiler: Compiler) -> None:
         """Use another compiler tier (its fingerprint keys everything from now on)."""
-        self.compiler = compiler
-        self.fingerprint = compiler.fingerprint()
+        self.resolver.set_compiler(compiler)
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -202,126 +211,23 @@ class Runtime:
             s["fusion"] = self.fusion.counters()
         return s
 
-    @property
-    def cache(self) -> TieredCache | None:
-        """The persistent tiers (local disk, fleet store), opened on first use. None if they cannot be
-        opened at all: then every op still runs, compiling in memory (one warning)."""
-        if not self._cache_opened:
-            with self.lock:
-                if not self._cache_opened:
-                    try:
-                        self._cache = TieredCache.from_config(self.cfg, self.counts)
-                    except Exception as e:  # noqa: BLE001 - a cache problem never fails an op
-                        warnings.warn(f"neuron: executable cache unavailable ({type(e).__name__}: {e}); "
-                                      "compiling in memory only", UserWarning, stacklevel=2)
-                        self._cache = None
-                    self._cache_opened = True
-        return self._cache
-
     # -- executables ------------------------------------------------------------------------------
     def executable(self, info: _ops.OpInfo, values: tuple[Any, ...]) -> tuple[Executable, dict[str, Any]]:
         """Find or make the executable for one call of functional op `info` (slow path only)."""
         sig = _signature.build(info, values)
-        return self.executable_for(sig)[0], sig
+        return self.resolver.resolve(sig)[0], sig
 
     def executable_for(self, sig: dict[str, Any]) -> tuple[Executable, str]:
         """Find or make the executable of a signature (an op's, or a fused group's graph)."""
-        digest = _signature.cache_key(sig, self.fingerprint)
-        exe = self.by_digest.get(digest)
-        if exe is not None:
-            return exe, digest
-        # Not under self.lock: threads needing different keys compile in parallel; the cache's
-        # single-flight makes threads needing the same key wait for one compile.
-        exe = self._load_or_compile(digest, sig)
-        with self.lock:
-            known = self.by_digest.get(digest)
-            if known is not None:
-                return known, digest
-            if len(self.by_digest) >= self.cfg.memory_cache_entries:
-                self._evict()
-            self.by_digest[digest] = exe
-        if self.recorder is not None:
-            self.recorder(sig, digest)
-        return exe, digest
+        return self.resolver.resolve(sig)
 
-    def _evict(self) -> None:
-        """Bound the loaded executables (TORCH_NEURONX_MEMORY_CACHE_ENTRIES): drop the older half.
-
-        Dropped executables reload from the local tier (milliseconds) when next needed. Oldest-first
-        rather than true LRU, so the hit path never pays for recency bookkeeping."""
-        for digest in list(self.by_digest)[: max(1, len(self.by_digest) // 2)]:
-            del self.by_digest[digest]
-        live = {id(e) for e in self.by_digest.values()}
+    def _evicted(self) -> None:
+        """The resolver dropped executables: so do the kernels' per-key tables and the native layer."""
+        live = self.resolver.live()
         for _, exes in _EXES.values():
             for k in [k for k, e in exes.items() if id(e) not in live]:
                 del exes[k]
         _forget_native()
-
-    def _load_or_compile(self, digest: str, sig: dict[str, Any]) -> Executable:
-        cache = self.cache
-        if cache is None:
-            self._count("misses")
-            if self.cfg.cache_mode == "strict":
-                raise CacheMissError(digest, self._strict_message(digest, sig))
-            payload = self.compiler.compile(sig)
-            self._count("compiles")
-            return self.compiler.load(payload)
-
-        def compile_entry() -> bytes:
-            log.info("compiling %s", sig["op"])
-            return _entries.build_entry(cache, self.compiler, digest, sig, self.fingerprint)
-
-        try:
-            entry, where = cache.get_or_compile(digest, compile_entry)
-        except CacheMissError as e:
-            raise CacheMissError(digest, self._strict_message(digest, sig)) from e
-        if where != "compiled" and _entries.stale_refusal(entry) and self.cfg.cache_mode != "strict":
-            # Refused by another neuron-runtime version: this one may compile it.
-            entry = self._replace(cache, digest, compile_entry)
-        _entries.check(entry)  # a cached refusal: the op runs on the host without asking the compiler
-        try:
-            exe = self.compiler.load(entry.payload)
-        except CompileRefused:
-            raise
-        except Exception as e:  # noqa: BLE001
-            if where == "compiled":
-                raise
-            # Verified bytes that still do not load (e.g. built for another host): never run them;
-            # drop them and compile here.
-            self._count("corrupt")
-            warnings.warn(f"neuron: cached executable {digest} for {sig['op']} does not load here "
-                          f"({type(e).__name__}: {e}); recompiling", UserWarning, stacklevel=2)
-            fresh = self._replace(cache, digest, compile_entry)
-            _entries.check(fresh)
-            exe = self.compiler.load(fresh.payload)
-        self._count("loads")
-        return exe
-
-    def _replace(self, cache: TieredCache, digest: str, compile_entry: Callable[[], bytes]) -> Any:
-        """Compile `digest` again and store the result in place of the cached entry (tiers keep the first
-        writer, so the old entry goes first). Returns the verified new entry."""
-        if cache.writable:
-            for _, backend in cache.tiers:
-                backend.delete(digest)
-        data = compile_entry()
-        self._count("compiles")
-        cache.put(digest, data)
-        return cache.verify(digest, data)
-
-    def _count(self, name: str) -> None:
-        """Bump a counter the TieredCache may bump too: under the cache's lock when there is one."""
-        cache = self._cache
-        if cache is not None:
-            cache._count(name)
-        else:
-            with self.lock:
-                self.counts[name] += 1
-
-    @staticmethod
-    def _strict_message(digest: str, sig: dict[str, Any]) -> str:
-        return (f"strict cache mode (TORCH_NEURONX_CACHE_MODE=strict): no cached executable for "
-                f"{sig['op']} (key {digest}); warm the cache with `neuron-cache warm -- <job>`. "
-                f"Signature: {_signature.canonical(sig).decode()}")
 
     # -- fallbacks --------------------------------------------------------------------------------
     def note_fallback(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any] | None, why: str) -> None:

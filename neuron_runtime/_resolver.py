@@ -1,0 +1,177 @@
+"""Executable resolution: a signature in, a loaded executable out (DESIGN §2, §6).
+
+    memory     loaded executables by cache key (the hit path's kernels keep their own per-key tables)
+      └─ tiers     local disk, then the fleet store (`cache.TieredCache`): verified envelopes
+           └─ compile  single-flight across threads, processes and hosts, through the compiler tier
+
+`Resolver.resolve(sig)` is the whole interface the kernels see: it returns the executable, or raises
+`CompileRefused` (the op runs on the host: a cached refusal, or the compiler's answer), `CacheMissError`
+(strict mode) or `IntegrityError`. Nothing here knows about aten ops: a signature is an op's, or a fused
+group's graph; the digest of (signature, compiler fingerprint) is the key everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from . import _config, _entries, _signature
+from .cache import CacheMissError, TieredCache
+from .compiler import CompileRefused, Compiler, Executable, get_compiler
+
+log = logging.getLogger(__name__)
+
+
+class Resolver:
+    """Finds or makes executables; owns the memory tier and the persistent tiers of one runtime.
+
+    `counts` is the runtime's counter dict, shared with the `TieredCache` (which adds hits per tier,
+    misses, compiles, corrupt, ...). `on_evict()` is called after the memory tier dropped executables,
+    so whoever keeps references to them (the kernels' per-key tables) can drop theirs. Thread-safe:
+    threads needing different keys compile in parallel; the cache's single-flight makes threads needing
+    the same key wait for one compile."""
+
+    def __init__(self, cfg: _config.Config, counts: dict[str, Any], lock: threading.RLock,
+                 on_evict: Callable[[], None] = lambda: None) -> None:
+        self.cfg = cfg
+        self.counts = counts
+        self.lock = lock
+        self.on_evict = on_evict
+        self.compiler: Compiler = get_compiler(cfg.compiler)
+        self.fingerprint = self.compiler.fingerprint()
+        self.by_digest: dict[str, Executable] = {}
+        self._cache: TieredCache | None = None
+        self._cache_opened = False
+        self.recorder: Callable[[dict[str, Any], str], None] | None = None
+        if cfg.record_file:
+            from ._record import Recorder
+
+            self.recorder = Recorder(cfg.record_file)
+
+    def set_compiler(self, compiler: Compiler) -> None:
+        """Use another compiler tier (its fingerprint keys everything from now on)."""
+        self.compiler = compiler
+        self.fingerprint = compiler.fingerprint()
+
+    @property
+    def cache(self) -> TieredCache | None:
+        """The persistent tiers (local disk, fleet store), opened on first use. None if they cannot be
+        opened at all: then every op still runs, compiling in memory (one warning)."""
+        if not self._cache_opened:
+            with self.lock:
+                if not self._cache_opened:
+                    try:
+                        self._cache = TieredCache.from_config(self.cfg, self.counts)
+                    except Exception as e:  # noqa: BLE001 - a cache problem never fails an op
+                        warnings.warn(f"neuron: executable cache unavailable ({type(e).__name__}: {e}); "
+                                      "compiling in memory only", UserWarning, stacklevel=2)
+                        self._cache = None
+                    self._cache_opened = True
+        return self._cache
+
+    def key(self, sig: dict[str, Any]) -> str:
+        return _signature.cache_key(sig, self.fingerprint)
+
+    # -- resolution -------------------------------------------------------------------------------
+    def resolve(self, sig: dict[str, Any]) -> tuple[Executable, str]:
+        """The executable of a signature and its key: memory, then the tiers, then a compile."""
+        digest = self.key(sig)
+        exe = self.by_digest.get(digest)
+        if exe is not None:
+            return exe, digest
+        exe = self._load_or_compile(digest, sig)
+        return self._remember(digest, sig, exe), digest
+
+    def _remember(self, digest: str, sig: dict[str, Any], exe: Executable) -> Executable:
+        with self.lock:
+            known = self.by_digest.get(digest)
+            if known is not None:
+                return known
+            if len(self.by_digest) >= self.cfg.memory_cache_entries:
+                self._evict()
+            self.by_digest[digest] = exe
+        if self.recorder is not None:
+            self.recorder(sig, digest)
+        return exe
+
+    def _evict(self) -> None:
+        """Bound the loaded executables (TORCH_NEURONX_MEMORY_CACHE_ENTRIES): drop the older half.
+
+        Dropped executables reload from the local tier (milliseconds) when next needed. Oldest-first
+        rather than true LRU, so the hit path never pays for recency bookkeeping."""
+        for digest in list(self.by_digest)[: max(1, len(self.by_digest) // 2)]:
+            del self.by_digest[digest]
+        self.on_evict()
+
+    def live(self) -> set[int]:
+        """ids of the executables the memory tier holds (for `on_evict` callers)."""
+        return {id(e) for e in self.by_digest.values()}
+
+    def _load_or_compile(self, digest: str, sig: dict[str, Any]) -> Executable:
+        cache = self.cache
+        if cache is None:
+            self.count("misses")
+            if self.cfg.cache_mode == "strict":
+                raise CacheMissError(digest, self.strict_message(digest, sig))
+            payload = self.compiler.compile(sig)
+            self.count("compiles")
+            return self.compiler.load(payload)
+
+        def compile_entry() -> bytes:
+            log.info("compiling %s", sig["op"])
+            return _entries.build_entry(cache, self.compiler, digest, sig, self.fingerprint)
+
+        try:
+            entry, where = cache.get_or_compile(digest, compile_entry)
+        except CacheMissError as e:
+            raise CacheMissError(digest, self.strict_message(digest, sig)) from e
+        if where != "compiled" and _entries.stale_refusal(entry) and self.cfg.cache_mode != "strict":
+            # Refused by another neuron-runtime version: this one may compile it.
+            entry = self._replace(cache, digest, compile_entry)
+        _entries.check(entry)  # a cached refusal: the op runs on the host without asking the compiler
+        try:
+            exe = self.compiler.load(entry.payload)
+        except CompileRefused:
+            raise
+        except Exception as e:  # noqa: BLE001
+            if where == "compiled":
+                raise
+            # Verified bytes that still do not load (e.g. built for another host): never run them;
+            # drop them and compile here.
+            self.count("corrupt")
+            warnings.warn(f"neuron: cached executable {digest} for {sig['op']} does not load here "
+                          f"({type(e).__name__}: {e}); recompiling", UserWarning, stacklevel=2)
+            fresh = self._replace(cache, digest, compile_entry)
+            _entries.check(fresh)
+            exe = self.compiler.load(fresh.payload)
+        self.count("loads")
+        return exe
+
+    def _replace(self, cache: TieredCache, digest: str, compile_entry: Callable[[], bytes]) -> Any:
+        """Compile `digest` again and store the result in place of the cached entry (tiers keep the first
+        writer, so the old entry goes first). Returns the verified new entry."""
+        if cache.writable:
+            for _, backend in cache.tiers:
+                backend.delete(digest)
+        data = compile_entry()
+        self.count("compiles")
+        cache.put(digest, data)
+        return cache.verify(digest, data)
+
+    def count(self, name: str) -> None:
+        """Bump a counter the TieredCache may bump too: under the cache's lock when there is one."""
+        cache = self._cache
+        if cache is not None:
+            cache._count(name)
+        else:
+            with self.lock:
+                self.counts[name] += 1
+
+    @staticmethod
+    def strict_message(digest: str, sig: dict[str, Any]) -> str:
+        return (f"strict cache mode (TORCH_NEURONX_CACHE_MODE=strict): no cached executable for "
+                f"{sig['op']} (key {digest}); warm the cache with `neuron-cache warm -- <job>`. "
+                f"Signature: {_signature.canonical(sig).decode()}")
