@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fallback_ops", "reset", "stats", "__version__"]
+__all__ = ["fallback_ops", "reset", "stats", "wait_for_compiles", "__version__"]
 __version__ = "0.1.0"
 
 _loaded = False
@@ -33,6 +33,27 @@ def _load() -> None:
     _rnn.install()
     _stats.install_exit_hook()
     _loaded = True
+    _start_prefetch()
+
+
+def _start_prefetch() -> None:
+    """A job named by TORCH_NEURONX_JOB fetches its executables from import on, in the background (the
+    runtime is otherwise made at the first op)."""
+    import os
+
+    if not os.environ.get("TORCH_NEURONX_JOB"):
+        return
+    import threading
+
+    def make() -> None:
+        from . import _dispatch
+
+        try:
+            _dispatch.runtime()
+        except Exception:  # noqa: BLE001 - a bad setting is reported by the first op, in the user's thread
+            pass
+
+    threading.Thread(target=make, name="neuron-prefetch-start", daemon=True).start()
 
 
 def _configure_logging() -> None:
@@ -63,6 +84,15 @@ def fallback_ops() -> list[str]:
     from . import _dispatch
 
     return sorted(_dispatch.runtime().fallback_ops)
+
+
+def wait_for_compiles(timeout: float | None = None) -> bool:
+    """Block until every executable this process asked the background compile service for is compiled
+    and loaded (then the job's ops all run compiled). True when done, False if `timeout` seconds ran
+    out first. Returns at once in `sync` mode (TORCH_NEURONX_COMPILE_MODE)."""
+    from . import _dispatch
+
+    return _dispatch.runtime().resolver.wait(timeout)
 
 
 def reset() -> None:

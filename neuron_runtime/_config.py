@@ -41,6 +41,11 @@ def _default_local_dir() -> str:
     return str(cache_root() / "neff")
 
 
+def _default_workers() -> int:
+    """Compile workers of the host's service: half the cores (the training job keeps the others), 1 to 8."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     compiler: str = "aoti"
@@ -69,6 +74,14 @@ class Config:
     fusion_min_numel: int = 32768
     # recording (neuron-cache warm)
     record_file: str | None = None
+    # background compiles (the host's compile service) and prefetch
+    compile_mode: str = "background"  # background | sync
+    compile_workers: int = dataclasses.field(default_factory=lambda: _default_workers())
+    compile_timeout_s: float = 900.0
+    compile_idle_timeout_s: float = 300.0
+    compile_queue: int = 4096
+    job: str | None = None
+    prefetch: bool = True
 
 
 # name -> (field, parser). The README's table lists exactly these.
@@ -94,6 +107,13 @@ _VARS: dict[str, tuple[str, object]] = {
     "TORCH_NEURONX_FUSION_MIN_SEEN": ("fusion_min_seen", int),
     "TORCH_NEURONX_FUSION_MIN_NUMEL": ("fusion_min_numel", int),
     "TORCH_NEURONX_RECORD_FILE": ("record_file", str),
+    "TORCH_NEURONX_COMPILE_MODE": ("compile_mode", str.lower),
+    "TORCH_NEURONX_COMPILE_WORKERS": ("compile_workers", int),
+    "TORCH_NEURONX_COMPILE_TIMEOUT": ("compile_timeout_s", float),
+    "TORCH_NEURONX_COMPILE_IDLE_TIMEOUT": ("compile_idle_timeout_s", float),
+    "TORCH_NEURONX_COMPILE_QUEUE": ("compile_queue", int),
+    "TORCH_NEURONX_JOB": ("job", str),
+    "TORCH_NEURONX_PREFETCH": ("prefetch", lambda v: _flag(v, True)),
 }
 # Read elsewhere (signing key material; the native layer, loaded before any Config), listed so they are
 # not reported as unknown.
@@ -101,6 +121,7 @@ _OTHER_KNOWN = {"TORCH_NEURONX_CACHE_SIGNING_KEY", "TORCH_NEURONX_CACHE_SIGNING_
 
 _COMPILERS = ("aoti", "reference")
 _MODES = ("readwrite", "readonly", "strict")
+_COMPILE_MODES = ("background", "sync")
 
 
 class ConfigError(ValueError):
@@ -143,7 +164,26 @@ def load(env: dict[str, str] | None = None) -> Config:
         raise ConfigError(f"TORCH_NEURONX_COMPILER={cfg.compiler!r}: choose one of {', '.join(_COMPILERS)}")
     if cfg.cache_mode not in _MODES:
         raise ConfigError(f"TORCH_NEURONX_CACHE_MODE={cfg.cache_mode!r}: choose one of {', '.join(_MODES)}")
+    if cfg.compile_mode not in _COMPILE_MODES:
+        raise ConfigError(f"TORCH_NEURONX_COMPILE_MODE={cfg.compile_mode!r}: choose one of "
+                          f"{', '.join(_COMPILE_MODES)}")
+    if cfg.compile_workers < 1:
+        raise ConfigError(f"TORCH_NEURONX_COMPILE_WORKERS={cfg.compile_workers}: need at least 1")
     return cfg
+
+
+def to_env(cfg: Config) -> dict[str, str]:
+    """`cfg` as the environment variables that `load` reads back into an equal Config (the signing key
+    included): what a process started on the runtime's behalf needs to run the same configuration."""
+    env: dict[str, str] = {}
+    for name, (field, _) in _VARS.items():
+        value = getattr(cfg, field)
+        if value is None:
+            continue
+        env[name] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    if cfg.signing_key is not None:
+        env["TORCH_NEURONX_CACHE_SIGNING_KEY"] = cfg.signing_key.decode()
+    return env
 
 
 _current: Config | None = None

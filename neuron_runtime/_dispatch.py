@@ -169,7 +169,9 @@ class Runtime:
         # One dict of counters, shared with the resolver's TieredCache (which adds hits["local"/"fleet"],
         # misses, compiles, corrupt, fleet_errors, writes_skipped, lease_waits).
         self.counts: dict[str, Any] = {"executions": 0, "compiles": 0, "fallbacks": 0, "corrupt": 0,
-                                       "misses": 0, "host_ops": 0, "loads": 0, "hits": {"memory": 0}}
+                                       "misses": 0, "host_ops": 0, "host_runs": 0, "loads": 0,
+                                       "hits": {"memory": 0}}
+        self.waiting: dict[tuple[str, Any], str] = {}  # (op, key) -> cache key compiling in the background
         self.resolver = _resolver.Resolver(cfg, self.counts, self.lock, on_evict=self._evicted)
         from . import fusion
 
@@ -207,19 +209,23 @@ class Runtime:
         s["hits"] = hits
         s["fallback_ops"] = sorted(self.fallback_ops)
         s["compiler"] = self.compiler.name
+        s["compile_mode"] = self.cfg.compile_mode
+        bg = self.resolver._background
+        if bg is not None:
+            s["background"] = bg.stats()
         if self.fusion is not None:
             s["fusion"] = self.fusion.counters()
         return s
 
     # -- executables ------------------------------------------------------------------------------
-    def executable(self, info: _ops.OpInfo, values: tuple[Any, ...]) -> tuple[Executable, dict[str, Any]]:
-        """Find or make the executable for one call of functional op `info` (slow path only)."""
-        sig = _signature.build(info, values)
-        return self.resolver.resolve(sig)[0], sig
+    def executable_for(self, sig: dict[str, Any], wait: bool | None = None) -> tuple[Executable | None, str]:
+        """Find or make the executable of a signature (an op's, or a fused group's graph); in background
+        mode (None, key) while it compiles (see `Resolver.resolve`)."""
+        return self.resolver.resolve(sig, wait)
 
-    def executable_for(self, sig: dict[str, Any]) -> tuple[Executable, str]:
-        """Find or make the executable of a signature (an op's, or a fused group's graph)."""
-        return self.resolver.resolve(sig)
+    def close(self) -> None:
+        """Write the job's manifest and disconnect from the compile service (at exit, or on reset)."""
+        self.resolver.close()
 
     def _evicted(self) -> None:
         """The resolver dropped executables: so do the kernels' per-key tables and the native layer."""
@@ -257,8 +263,14 @@ class Runtime:
         host_values = tuple(to_host(v, strict=a.kind != _ops.OPT_TENSORS) for a, v in zip(info.args, values))
         if (info.qualname, key) in self.fallback_keys:
             return self.host_call(info, values, host_values, fallback=True)
+        # Background mode: a key whose executable is being compiled runs on the host meanwhile.
+        waited = self.waiting.get((info.qualname, key))
+        if waited is not None and waited not in self.resolver.by_digest and \
+                self.resolver.background.lookup(waited)[0]:
+            return self.host_call(info, values, host_values, counter="host_runs")
         try:
-            exe, sig = self.executable(f, fvalues)
+            sig = _signature.build(f, fvalues)
+            exe, digest = self.resolver.resolve(sig)
         except (CompileRefused, _signature.SignatureError) as e:
             self.note_fallback(info, key, None, str(e))
             return self.host_call(info, values, host_values, fallback=True)
@@ -268,6 +280,9 @@ class Runtime:
             log.debug("compile of %s failed", info.qualname, exc_info=True)
             self.note_fallback(info, key, None, f"compile failed: {type(e).__name__}: {e}")
             return self.host_call(info, values, host_values, fallback=True)
+        if exe is None:
+            self.waiting[(info.qualname, key)] = digest
+            return self.host_call(info, values, host_values, counter="host_runs")
         tensors, scalars = flatten(f, host_values if f is info else
                                    tuple(v for a, v in zip(info.args, host_values)
                                          if not (a.mutable and a.kwarg_only)))
@@ -285,6 +300,10 @@ class Runtime:
             self.fusion.learn(info, key, sig, list(outs))
         result = self.finish(info, values, host_values, list(outs))
         exes[key] = exe  # undefined outputs (None) stay None on the hit path too
+        if waited is not None:
+            # Compiled in the background: the native layer learnt this key as "Python only" meanwhile.
+            del self.waiting[(info.qualname, key)]
+            _forget_native()
         return result
 
     def finish(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
@@ -316,7 +335,7 @@ class Runtime:
         return tuple(rets)
 
     def host_call(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
-                  fallback: bool = False) -> Any:
+                  fallback: bool = False, counter: str | None = None) -> Any:
         """Run the op itself on CPU views; outputs that are an input's view come back as that input.
 
         out= arguments get fresh CPU tensors (the host kernel may need to resize them, which neuron
@@ -333,7 +352,7 @@ class Runtime:
                 args.append(h)
         out = _op_for_numbers(info, args, kwargs)(*args, **kwargs)
         with self.lock:
-            self.counts["fallbacks" if fallback else "host_ops"] += 1
+            self.counts[counter or ("fallbacks" if fallback else "host_ops")] += 1
         for target, h in outs:
             _copy_back_out(target, h)
         if outs:
@@ -445,18 +464,23 @@ def flatten(info: _ops.OpInfo, host_values: tuple[Any, ...]) -> tuple[list[torch
 
 
 _runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
 
 
 def runtime() -> Runtime:
     global _runtime
     if _runtime is None:
-        _runtime = Runtime(_config.get())
+        with _runtime_lock:  # a named job's prefetch may make it on another thread at import
+            if _runtime is None:
+                _runtime = Runtime(_config.get())
     return _runtime
 
 
 def reset_runtime(cfg: _config.Config | None = None) -> Runtime:
     """Start over with a fresh runtime (new config, empty in-memory caches). For tests and the CLI."""
     global _runtime
+    if _runtime is not None:
+        _runtime.close()
     _runtime = Runtime(cfg or _config.reload())
     for info, exes in _EXES.values():
         exes.clear()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .compiler import CompileRefused, Compiler
+from .compiler import Compiler, CompileRefused
 
 REFUSED = "refused"
 
@@ -44,3 +44,14 @@ def stale_refusal(entry: Any) -> bool:
     from . import __version__
 
     return bool(entry.header.get(REFUSED)) and entry.header.get("runtime") != __version__
+
+
+def replace(cache: Any, key: str, compile_entry: Any) -> Any:
+    """Compile `key` again and store the result in place of the cached entry (tiers keep the first writer,
+    so the old entry goes first). Returns the verified new entry."""
+    if cache.writable:
+        for _, backend in cache.tiers:
+            backend.delete(key)
+    data = compile_entry()
+    cache.put(key, data)
+    return cache.verify(key, data)

@@ -45,11 +45,14 @@ class Resolver:
         self.by_digest: dict[str, Executable] = {}
         self._cache: TieredCache | None = None
         self._cache_opened = False
+        self._background: Any = None
         self.recorder: Callable[[dict[str, Any], str], None] | None = None
         if cfg.record_file:
             from ._record import Recorder
 
             self.recorder = Recorder(cfg.record_file)
+        if cfg.prefetch and (cfg.job or cfg.compile_mode == "background"):
+            _ = self.background  # a named job prefetches now; an unnamed one after its first keys
 
     def set_compiler(self, compiler: Compiler) -> None:
         """Use another compiler tier (its fingerprint keys everything from now on)."""
@@ -76,16 +79,115 @@ class Resolver:
         return _signature.cache_key(sig, self.fingerprint)
 
     # -- resolution -------------------------------------------------------------------------------
-    def resolve(self, sig: dict[str, Any]) -> tuple[Executable, str]:
-        """The executable of a signature and its key: memory, then the tiers, then a compile."""
+    def resolve(self, sig: dict[str, Any], wait: bool | None = None) -> tuple[Executable | None, str]:
+        """The executable of a signature and its key: memory, then the tiers, then a compile.
+
+        `wait=False` (the default in background mode, TORCH_NEURONX_COMPILE_MODE): the local tier is the
+        last place looked at in this call; anything else (the fleet store, a compile) happens in the
+        background and the result is `(None, key)` until the executable is in the memory tier. Strict
+        mode always waits (a miss is an error, never a background compile)."""
         digest = self.key(sig)
         exe = self.by_digest.get(digest)
         if exe is not None:
+            self.note(digest, [sig])  # e.g. a prefetched executable: the job used it
             return exe, digest
-        exe = self._load_or_compile(digest, sig)
-        return self._remember(digest, sig, exe), digest
+        if wait is None:
+            wait = self.cfg.compile_mode != "background"
+        if wait or self.cfg.cache_mode == "strict" or self.cache is None:
+            return self.resolve_now(sig, digest)
+        return self._resolve_background(digest, sig)
 
-    def _remember(self, digest: str, sig: dict[str, Any], exe: Executable) -> Executable:
+    def resolve_now(self, sig: dict[str, Any], digest: str | None = None) -> tuple[Executable, str]:
+        """Memory, tiers, compile, blocking until the executable exists (or raising)."""
+        digest = digest or self.key(sig)
+        exe = self.by_digest.get(digest)
+        if exe is None:
+            exe = self._load_or_compile(digest, sig)
+            exe = self.remember(digest, sig, exe)
+        self.note(digest, [sig])
+        return exe, digest
+
+    def _resolve_background(self, digest: str, sig: dict[str, Any]) -> tuple[Executable | None, str]:
+        bg = self.background
+        waiting, refused = bg.lookup(digest)
+        if refused is not None:
+            raise CompileRefused(refused)
+        if waiting:
+            return None, digest
+        cache = self.cache
+        assert cache is not None
+        candidates = self.candidates(sig)
+        self.note(digest, candidates)
+        for i, cand in enumerate(candidates):
+            k = digest if cand is sig else self.key(cand)
+            exe = self.by_digest.get(k)
+            if exe is None:
+                entry = cache.get_local(k)
+                if entry is None or _entries.stale_refusal(entry):
+                    continue
+                if entry.header.get(_entries.REFUSED):
+                    if i + 1 < len(candidates):
+                        continue  # e.g. this class has no generic kernel: the next candidate
+                    raise CompileRefused(str(entry.header[_entries.REFUSED]))
+                try:
+                    exe = self.load_entry(k, entry)
+                except CompileRefused:
+                    raise
+                except Exception as e:  # noqa: BLE001 - verified bytes that do not load: never run them
+                    self.count("corrupt")
+                    warnings.warn(f"neuron: cached executable {k} for {sig['op']} does not load here "
+                                  f"({type(e).__name__}: {e}); recompiling it in the background",
+                                  UserWarning, stacklevel=2)
+                    if cache.writable:
+                        cache.local.delete(k)
+                    break
+                exe = self.remember(k, cand, exe)
+            return self.remember(digest, sig, exe), digest
+        self.count("misses")
+        bg.request(digest, sig, candidates)
+        return None, digest
+
+    def candidates(self, sig: dict[str, Any]) -> list[dict[str, Any]]:
+        """The signatures whose executables can serve `sig`, most general first (the exact one last)."""
+        return [sig]
+
+    def load_entry(self, key: str, entry: Any) -> Executable:
+        """A verified entry's executable (raises CompileRefused for a refusal entry)."""
+        _entries.check(entry)
+        exe = self.compiler.load(entry.payload)
+        self.count("loads")
+        return exe
+
+    def has(self, key: str) -> bool:
+        return key in self.by_digest
+
+    def note(self, digest: str, candidates: list[dict[str, Any]]) -> None:
+        """A key this process uses (its job's manifest records it; background mode only)."""
+        bg = self._background
+        if bg is not None:
+            bg.note(digest, candidates)
+
+    @property
+    def background(self) -> Any:
+        """The background compiles (`_background.Background`), made on first use."""
+        if self._background is None:
+            with self.lock:
+                if self._background is None:
+                    from ._background import Background
+
+                    self._background = Background(self)
+        return self._background
+
+    def wait(self, timeout: float | None = None) -> bool:
+        bg = self._background
+        return True if bg is None else bg.wait(timeout)
+
+    def close(self) -> None:
+        bg = self._background
+        if bg is not None:
+            bg.close()
+
+    def remember(self, digest: str, sig: dict[str, Any], exe: Executable) -> Executable:
         with self.lock:
             known = self.by_digest.get(digest)
             if known is not None:
@@ -151,15 +253,9 @@ class Resolver:
         return exe
 
     def _replace(self, cache: TieredCache, digest: str, compile_entry: Callable[[], bytes]) -> Any:
-        """Compile `digest` again and store the result in place of the cached entry (tiers keep the first
-        writer, so the old entry goes first). Returns the verified new entry."""
-        if cache.writable:
-            for _, backend in cache.tiers:
-                backend.delete(digest)
-        data = compile_entry()
+        entry = _entries.replace(cache, digest, compile_entry)
         self.count("compiles")
-        cache.put(digest, data)
-        return cache.verify(digest, data)
+        return entry
 
     def count(self, name: str) -> None:
         """Bump a counter the TieredCache may bump too: under the cache's lock when there is one."""

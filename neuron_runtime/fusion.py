@@ -304,6 +304,8 @@ class Fusion:
             except Exception:  # noqa: BLE001 - a group that cannot compile runs op by op, for good
                 self.fused[group] = UNFUSIBLE
                 return None
+            if exe is None:
+                return None  # compiling in the background: op by op until it is ready
             self.fused[(group, live, into)] = exe
             self.stats["groups_fused"] += 1
         scalars = [s for node in nodes for s in node.scalars]

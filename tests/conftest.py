@@ -19,6 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 # The bulk of the suite runs on the `reference` tier (no compiler); `aoti` tests opt in explicitly. A
 # private local cache keeps tests off the user's ~/.cache. Set before any test imports torch.
 os.environ.setdefault("TORCH_NEURONX_COMPILER", "reference")
+# Ops wait for their compiles (deterministic counts) unless a test asks for the background service, and
+# no test process writes a job manifest unless it means to.
+os.environ.setdefault("TORCH_NEURONX_COMPILE_MODE", "sync")
+os.environ.setdefault("TORCH_NEURONX_PREFETCH", "0")
 os.environ.setdefault("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
                       tempfile.mkdtemp(prefix="neuron-test-cache-"))
 

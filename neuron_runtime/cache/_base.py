@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import re
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -82,6 +83,20 @@ class CacheBackend(abc.ABC):
     def contains_many(self, keys: Iterable[str]) -> set[str]:
         """The subset of `keys` present (one round trip where the backend can batch)."""
         return {k for k in keys if self.get(k) is not None}
+
+    def get_many(self, keys: Iterable[str], parallel: int = 8) -> dict[str, bytes]:
+        """The stored bytes of those `keys` that are present: one `contains_many`, then up to `parallel`
+        `get`s in flight (a prefetch of a job's entries). Same failure rules as `get`."""
+        present = sorted(self.contains_many(keys))
+        if not present:
+            return {}
+        out: dict[str, bytes] = {}
+        with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(present))),
+                                thread_name_prefix="neuron-cache-get") as pool:
+            for key, data in zip(present, pool.map(self.get, present)):
+                if data is not None:
+                    out[key] = data
+        return out
 
     @abc.abstractmethod
     def delete(self, key: str) -> bool:

@@ -212,15 +212,6 @@ class GrpcBackend(CacheBackend):
             found.update(k for k, p in zip(batch, present) if p)
         return found
 
-    def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
-        """Batch prefetch: one lookup for all `keys`, then a get for each present one."""
-        out: dict[str, bytes] = {}
-        for key in sorted(self.contains_many(keys)):
-            data = self.get(key)
-            if data is not None:
-                out[key] = data
-        return out
-
     def delete(self, key: str) -> bool:
         check_key(key)
         return self._guard("delete", lambda c, t: c.delete(key, timeout=t), False)

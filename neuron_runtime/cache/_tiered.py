@@ -167,8 +167,8 @@ class TieredCache:
             if not self._safe(name, "put", functools.partial(backend.put, key, data), False):
                 self._count("writes_skipped")
 
-    def _lookup(self, key: str) -> tuple[envelope.Entry, bytes, str] | None:
-        for i, (name, backend) in enumerate(self.tiers):
+    def _lookup(self, key: str, upto: int | None = None) -> tuple[envelope.Entry, bytes, str] | None:
+        for i, (name, backend) in enumerate(self.tiers[:upto]):
             data: bytes | None = None
             try:
                 data = self._safe(name, "get", functools.partial(backend.get, key), None)
@@ -202,6 +202,37 @@ class TieredCache:
             self._count("misses")
             return None, MISS
         return found[0], found[2]
+
+    def get_local(self, key: str) -> envelope.Entry | None:
+        """The verified entry if the local tier holds it: no fleet store call (which may take up to the
+        fleet timeout), no miss counted. For callers that must not wait on a network."""
+        check_key(key)
+        found = self._lookup(key, upto=1)
+        return None if found is None else found[0]
+
+    def get_many(self, keys: list[str]) -> dict[str, envelope.Entry]:
+        """Verified entries of those `keys` any tier holds, in as few round trips as each tier allows:
+        the local tier key by key, then the fleet store's `get_many` (one batch lookup, parallel gets)
+        for the rest; fleet hits fill the local tier. Bad entries are quarantined and left out."""
+        out: dict[str, envelope.Entry] = {}
+        rest = [check_key(k) for k in dict.fromkeys(keys)]
+        for i, (name, backend) in enumerate(self.tiers):
+            if not rest:
+                break
+            if i == 0:
+                got = {k: d for k in rest if (d := self._safe(name, "get", functools.partial(backend.get, k), None))}
+            else:
+                got = self._safe(name, "get_many", functools.partial(backend.get_many, rest), {})
+            for key, data in got.items():
+                try:
+                    out[key] = self._verify(key, data)
+                except IntegrityError as e:
+                    self._quarantine(name, backend, key, e, data)
+                    continue
+                self._count("hits", name)
+                self._fill(i, key, data)
+            rest = [k for k in rest if k not in out]
+        return out
 
     def pack(self, key: str, header: dict[str, Any], payload: bytes) -> bytes:
         """`envelope.pack` with this cache's signing key: what `compile_fn` should return."""

@@ -10,7 +10,7 @@ compile:
   2. Key every signature with the target tier's fingerprint and ask each target tier (local, and the fleet
      store if one is set) which keys it holds (one batched call per tier). Entries the local tier has
      and the fleet lacks are verified and pushed.
-  3. Compile the rest in N worker processes (`_worker.py`, JSON lines over pipes), each writing through
+  3. Compile the rest in N worker processes (`_service/_worker.py`, JSON lines over pipes), each writing through
      the runtime's own `TieredCache`; a worker that dies or runs past --timeout costs only its current
      signature (reported with the reason) and is replaced.
   4. Confirm the fleet store holds every entry (a skipped fleet write is only a warning to the
@@ -20,7 +20,6 @@ compile:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import queue
@@ -30,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, Any
+from typing import Any
 
 from neuron_runtime import _config, _record, _signature, envelope
 from neuron_runtime.cache import CacheError
@@ -109,6 +108,9 @@ def cmd_warm(args: argparse.Namespace) -> int:
             TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=os.path.join(scratch, "reference-cache"),
             TORCH_NEURONX_NEFF_CACHE_DIR=None,
             TORCH_NEURONX_CACHE_MODE="readwrite",
+            # Recording needs every signature keyed as it is met, not a background service.
+            TORCH_NEURONX_COMPILE_MODE="sync",
+            TORCH_NEURONX_PREFETCH="0",
             # The recording run's counters are of no use to anyone; keep it off the user's stats file.
             TORCH_NEURONX_STATS_FILE=os.path.join(scratch, "record-stats.json"),
         )
@@ -320,126 +322,47 @@ def _confirm_fleet(cfg: _config.Config, keys: list[str], attempts: int = 3) -> l
 
 
 class _Pool:
-    """N worker processes fed from one queue by N threads; answers arrive as JSON lines."""
+    """N worker processes (`_service._server.WorkerPool`) fed from one queue; a worker that dies or runs
+    past --timeout costs only its current signature (reported with the reason) and is replaced."""
 
     def __init__(self, n: int, env: dict[str, str], timeout: float | None, progress: _common.Progress) -> None:
         self.n = n
         self.env = env
         self.timeout = timeout
         self.progress = progress
-        self.lock = threading.Lock()
-        self.procs: list[subprocess.Popen[str]] = []
-        self.started = 0
-        self.logs = tempfile.mkdtemp(prefix="neuron-cache-workers-")
-
-    def _start(self, slot: int) -> tuple[subprocess.Popen[str], IO[str]]:
-        with self.lock:
-            self.started += 1
-            n = self.started
-        log_file = open(os.path.join(self.logs, f"worker-{slot}-{n}.log"), "w+", encoding="utf-8")  # noqa: SIM115
-        proc = subprocess.Popen([sys.executable, "-m", "neuron_runtime.cli._worker"], env=self.env, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, bufsize=1)
-        with self.lock:
-            self.procs.append(proc)
-        return proc, log_file
-
-    @staticmethod
-    def _tail(log_file: IO[str], n: int = 5) -> str:
-        log_file.flush()
-        log_file.seek(0)
-        lines = [ln for ln in log_file.read().splitlines() if ln.strip()]
-        return " | ".join(lines[-n:])
 
     def run(self, tasks: list[tuple[int, dict[str, Any]]], names: list[str]) -> dict[int, dict[str, Any]]:
+        from neuron_runtime._service._server import WorkerPool
+
         work: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
-        for t in tasks:
-            work.put(t)
+        for i, sig in tasks:
+            work.put((i, {"signature": sig}))
         results: dict[int, dict[str, Any]] = {}
+        all_done = threading.Event()
+        lock = threading.Lock()
 
-        broken: list[str] = []  # why workers cannot start at all (then the rest fail fast, not one by one)
+        def next_task() -> tuple[int, dict[str, Any]] | None:
+            try:
+                return work.get_nowait()
+            except queue.Empty:
+                return None
 
-        def slot(s: int) -> None:
-            proc: subprocess.Popen[str] | None = None
-            log_file: IO[str] | None = None
-            answered = 0  # by the current worker
-            dead_on_arrival = 0  # consecutive workers of this slot that died before their first answer
-            while True:
-                try:
-                    i, sig = work.get_nowait()
-                except queue.Empty:
-                    break
-                if broken:
-                    with self.lock:
-                        results[i] = {"i": i, "status": "failed", "reason": broken[0]}
-                        self.progress.step("failed", names[i])
-                    continue
-                if proc is None:
-                    proc, log_file = self._start(s)
-                    answered = 0
-                assert proc.stdin is not None and proc.stdout is not None and log_file is not None
-                timed_out = threading.Event()
+        def on_event(kind: str, i: int, answer: dict[str, Any]) -> None:
+            if kind != "done":
+                return
+            with lock:
+                results[i] = answer
+                self.progress.step(answer.get("status", "failed"), names[i], answer.get("seconds"))
+                if len(results) == len(tasks):
+                    all_done.set()
 
-                def kill(p: subprocess.Popen[str] = proc) -> None:
-                    timed_out.set()
-                    p.kill()
-
-                timer = threading.Timer(self.timeout, kill) if self.timeout else None
-                line = ""
-                try:
-                    proc.stdin.write(json.dumps({"i": i, "signature": sig}) + "\n")
-                    proc.stdin.flush()
-                    if timer is not None:
-                        timer.start()
-                    line = proc.stdout.readline()
-                except (OSError, ValueError):
-                    line = ""
-                finally:
-                    if timer is not None:
-                        timer.cancel()
-                answer: dict[str, Any]
-                try:
-                    answer = json.loads(line) if line else {}
-                except ValueError:
-                    answer = {}
-                if not answer:
-                    rc = proc.wait()
-                    why = (f"timed out after {self.timeout:g} s (worker killed)" if timed_out.is_set()
-                           else f"worker process died with status {rc}")
-                    answer = {"i": i, "status": "failed", "reason": f"{why}; worker log: {self._tail(log_file)}"}
-                    log_file.close()
-                    proc, log_file = None, None  # a fresh worker for the next signature
-                    dead_on_arrival = dead_on_arrival + 1 if answered == 0 and not timed_out.is_set() else 0
-                    if dead_on_arrival >= 2:
-                        broken.append(f"compile workers cannot start ({answer['reason']})")
-                else:
-                    answered += 1
-                    dead_on_arrival = 0
-                with self.lock:
-                    results[i] = answer
-                    self.progress.step(answer.get("status", "failed"), names[i], answer.get("seconds"))
-            if proc is not None:
-                assert proc.stdin is not None
-                proc.stdin.close()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            if log_file is not None:
-                log_file.close()
-
-        threads = [threading.Thread(target=slot, args=(s,), daemon=True) for s in range(self.n)]
+        pool = WorkerPool(self.n, [sys.executable, "-m", "neuron_runtime._service._worker"], self.env,
+                          self.timeout, next_task, on_event)
         try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.2)
+            while not all_done.wait(0.2) and any(t.is_alive() for t in pool.threads):
+                pass
         finally:
-            with self.lock:
-                for p in self.procs:
-                    if p.poll() is None:
-                        p.kill()
-            shutil.rmtree(self.logs, ignore_errors=True)
+            pool.close(grace=60.0)
         return results
 
 

@@ -151,8 +151,57 @@ def _vector_isa(pinned: dict[str, Any]) -> str:
 
 @functools.cache
 def fingerprint(tier: str, format_version: int, march: str, simdlen: int | None) -> dict[str, Any]:
-    """Everything that decides whether an artifact compiled elsewhere runs correctly here (once per
-    process and target; the C++ compiler probe and config hash cost ~50 ms)."""
+    """Everything that decides whether an artifact compiled elsewhere runs correctly here.
+
+    Computing it imports Inductor (seconds: Dynamo comes with it) and runs the C++ compiler, which a
+    training process would otherwise pay on its first op, before any compile; so it is computed once per
+    host and torch install and kept on disk (`_fingerprint_file`), keyed by everything it is computed
+    from: torch's build and files, Python, the CPU's flags, the compiler binaries on PATH, and every
+    environment variable Inductor or the compiler choice reads."""
+    path = _fingerprint_file(tier, format_version, march, simdlen)
+    try:
+        cached = json.loads(path.read_text())
+        if isinstance(cached, dict):
+            return cached
+    except (OSError, ValueError):
+        pass
+    fp = _compute_fingerprint(tier, format_version, march, simdlen)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(fp, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("cannot keep the aoti fingerprint in %s: %s", path, e)
+    return fp
+
+
+def _fingerprint_file(tier: str, format_version: int, march: str, simdlen: int | None) -> Path:
+    from .. import _config
+
+    def binary(name: str) -> str:
+        found = shutil.which(name)
+        if found is None:
+            return f"{name}:missing"
+        st = os.stat(os.path.realpath(found))
+        return f"{os.path.realpath(found)}:{st.st_size}:{st.st_mtime_ns}"
+
+    torch_dir = Path(torch.__file__).parent
+    st = os.stat(torch_dir / "_C" if (torch_dir / "_C").exists() else torch.__file__)
+    inputs = {
+        "args": [tier, format_version, march, simdlen], "v": 1,
+        "torch": [torch.__version__, torch.version.git_version, str(torch_dir), st.st_mtime_ns],
+        "python": sys.version, "cpu": sorted(_cpu_flags()),
+        "cxx": [binary(n) for n in sorted({os.environ.get("CXX", "g++"), "g++", "c++", "clang++"})],
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(("TORCHINDUCTOR_", "TORCH_", "AOT_INDUCTOR", "ATEN_", "CXX", "CC"))
+                and not k.startswith("TORCH_NEURONX_")},
+    }
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
+    return _config.cache_root() / "fingerprint" / f"{digest}.json"
+
+
+def _compute_fingerprint(tier: str, format_version: int, march: str, simdlen: int | None) -> dict[str, Any]:
     pinned = pins(march, simdlen)
     libc_name, libc_version = platform.libc_ver()
     return {

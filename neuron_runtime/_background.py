@@ -1,0 +1,463 @@
+"""Background compiles: a miss never waits for the compiler (TORCH_NEURONX_COMPILE_MODE=background).
+
+The resolver hands a key it cannot serve from memory or the local tier to `Background.request` and
+the op runs on the host. From there, on this module's thread:
+  1. With a fleet store, look the key up there (a fleet hit is loaded: no compile at all).
+  2. Otherwise ask the host's compile service (`_service`) to compile it; its answer names the entry
+     its worker wrote to the local tier, which is loaded and handed to the resolver's memory tier. The
+     kernel's next call of the key finds it there and runs it through the hit path.
+  3. If the service cannot be started, the key compiles in this process instead (one warning).
+Prefetch: once the job's identity is known (`_manifest`), its manifest is read from the tiers, every
+entry it names is loaded in one batch (`TieredCache.get_many`), and the missing ones are queued for
+compiling behind the ones an op is waiting for. What this process used is written back to the manifest
+when the job goes quiet (no new key for `QUIET_S`), on `wait_for_compiles()` and at exit.
+
+Everything here is best effort: a failure is a warning and a host run, never an exception in an op.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import collections
+import hashlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from . import _config, _entries, _manifest, _signature
+from .compiler import CompileRefused, Executable
+
+if TYPE_CHECKING:
+    from ._resolver import Resolver
+
+log = logging.getLogger(__name__)
+
+QUIET_S = 10.0  # a job that asked for no new key for this long has its manifest written
+
+
+class _Job:
+    """One compile asked of the service: its candidates and the exact keys waiting for its result."""
+
+    __slots__ = ("candidates", "keys", "priority", "since", "started")
+
+    def __init__(self, candidates: list[dict[str, Any]], priority: int) -> None:
+        self.candidates = candidates
+        self.keys: dict[str, dict[str, Any]] = {}  # exact key -> its signature
+        self.priority = priority
+        self.since = time.monotonic()
+        self.started: float | None = None
+
+
+class Background:
+    def __init__(self, resolver: Resolver) -> None:
+        self.resolver = resolver
+        self.cfg = resolver.cfg
+        self.cv = threading.Condition()
+        self.jobs: dict[str, _Job] = {}      # job key (first candidate's) -> job
+        self.waiting: dict[str, str] = {}     # exact key -> job key
+        self.refused: dict[str, str] = {}     # exact key -> why (this process runs it on the host)
+        self.work: collections.deque[tuple[str, Any]] = collections.deque()
+        self.counts = {"queued": 0, "done": 0, "loaded": 0, "refused": 0,
+                       "prefetched": 0, "prefetch_hits": 0, "prefetch_queued": 0, "manifest_writes": 0}
+        self.latency: list[float] = []
+        self.prefetched: set[str] = set()
+        self.used: dict[str, list[dict[str, Any]]] = {}  # keys this process resolved -> candidates
+        self.first: list[str] = []
+        self.job: str | None = None
+        self.manifest_seen: dict[str, list[dict[str, Any]]] = {}
+        self.dirty_since: float | None = None
+        self.client: Any = None
+        self.in_process = False  # the service is unavailable: compile here
+        self.pid = os.getpid()
+        self.thread: threading.Thread | None = None
+        self.closed = False
+        self._warned: set[str] = set()
+        if self.cfg.job and self.cfg.prefetch:
+            self._named(self.cfg.job)
+        atexit.register(self.close)
+
+    # -- called by the resolver (any thread) --------------------------------------------------------
+    def lookup(self, key: str) -> tuple[bool, str | None]:
+        """(waiting, refusal) of an exact key: whether its compile is under way, and why it was refused."""
+        return key in self.waiting, self.refused.get(key)
+
+    def request(self, key: str, sig: dict[str, Any], candidates: list[dict[str, Any]], priority: int = 0) -> None:
+        """Compile `candidates` (most general first) for exact key `key` in the background."""
+        job_key = self.resolver.key(candidates[0])
+        with self.cv:
+            if key in self.waiting or key in self.refused:
+                return
+            self.waiting[key] = job_key
+            job = self.jobs.get(job_key)
+            if job is None:
+                job = self.jobs[job_key] = _Job(candidates, priority)
+                self.counts["queued"] += 1
+                if priority == 1:
+                    self.counts["prefetch_queued"] += 1
+                self._push(("fetch", job_key))
+            elif priority < job.priority:
+                job.priority = priority
+                self._push(("fetch", job_key))  # a prefetched key an op now waits for: ask again, sooner
+            job.keys[key] = sig
+
+    def note(self, key: str, candidates: list[dict[str, Any]]) -> None:
+        """A key this process uses (for its manifest); the first ones name an unnamed job."""
+        if not self.cfg.prefetch:
+            return
+        with self.cv:
+            if key in self.used:
+                return
+            self.used[key] = candidates
+            if key not in self.manifest_seen:
+                self.dirty_since = time.monotonic()
+            if key in self.prefetched:
+                self.counts["prefetch_hits"] += 1
+            if self.job is None and not self.cfg.job:
+                self.first.append(key)
+                if len(self.first) == _manifest.FIRST:
+                    job = _manifest.job_id(None, self.first)
+                    if job is not None:
+                        self._named(job)
+
+    def _named(self, job: str) -> None:
+        self.job = job
+        self._push(("prefetch", job))
+
+    # -- waiting ------------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every compile this process asked for is answered and loaded; True unless the
+        timeout ran out first. Writes the job's manifest when everything is in."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cv:
+            while self.jobs:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cv.wait(left if left is not None else 1.0)
+        self._push(("manifest", True))
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        with self.cv:
+            s: dict[str, Any] = dict(self.counts)
+            s["pending"] = len(self.jobs)
+            lat = sorted(self.latency)
+        s["running"] = sum(1 for j in list(self.jobs.values()) if j.started is not None)
+        s["queued_now"] = s["pending"] - s["running"]
+        if lat:
+            s["latency_s"] = {"p50": round(lat[len(lat) // 2], 3), "max": round(lat[-1], 3), "n": len(lat)}
+        s["service"] = "in-process" if self.in_process else ("connected" if self.client is not None else "idle")
+        if self.job is not None:
+            s["job"] = self.job
+        return s
+
+    # -- the thread ---------------------------------------------------------------------------------
+    def _push(self, item: tuple[str, Any]) -> None:
+        """Queue work for this module's thread (started on first need; again in a forked child)."""
+        with self.cv:
+            if self.closed:
+                return
+            if self.pid != os.getpid():  # a forked child: nothing of the parent's thread or socket is ours
+                self._forked()
+            self.work.append(item)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="neuron-background", daemon=True)
+                self.thread.start()
+            self.cv.notify_all()
+
+    def _forked(self) -> None:
+        self.pid = os.getpid()
+        self.thread = None
+        self.client = None
+        for job_key, job in list(self.jobs.items()):
+            self.work.append(("fetch", job_key))
+            job.started = None
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.work and not self.closed:
+                    self.cv.wait(1.0)
+                    if self._quiet():
+                        self.work.append(("manifest", False))
+                if self.closed and not self.work:
+                    return
+                kind, arg = self.work.popleft()
+            try:
+                if kind == "fetch":
+                    self._fetch(arg)
+                elif kind == "prefetch":
+                    self._prefetch(arg)
+                elif kind == "manifest":
+                    self._write_manifest()
+                elif kind == "answer":
+                    self._answer(arg)
+            except Exception as e:  # noqa: BLE001 - background trouble is a warning, never the user's error
+                self._warn(f"{kind}:{type(e).__name__}", f"neuron: background {kind} failed ({type(e).__name__}: "
+                           f"{e}); the ops it concerns run on the host meanwhile")
+                if kind == "fetch":
+                    self._finish(arg, None, f"background compile failed: {type(e).__name__}: {e}")
+
+    def _quiet(self) -> bool:
+        return (self.dirty_since is not None and self.job is not None
+                and time.monotonic() - self.dirty_since >= QUIET_S)
+
+    # -- one job ------------------------------------------------------------------------------------
+    def _fetch(self, job_key: str) -> None:
+        with self.cv:
+            job = self.jobs.get(job_key)
+        if job is None:
+            return
+        cache = self.resolver.cache
+        if cache is not None and cache.fleet is not None:
+            # 1. someone may have compiled it already (the fleet store's entry lands in the local tier)
+            for cand in job.candidates:
+                k = self.resolver.key(cand)
+                entry, _ = cache.get_entry(k)
+                if entry is not None and not entry.header.get(_entries.REFUSED):
+                    self._load(job_key, k, entry)
+                    return
+        if self.in_process or cache is None:
+            self._compile_here(job_key, job)
+            return
+        client = self._client()
+        if client is None:
+            self._compile_here(job_key, job)
+            return
+        client.submit(job_key, {"signatures": job.candidates, "key": job_key}, job.priority)
+
+    def _answer(self, msg: dict[str, Any]) -> None:
+        job_key, status = msg.get("key"), msg.get("status")
+        with self.cv:
+            job = self.jobs.get(job_key) if isinstance(job_key, str) else None
+            if job is None:
+                return
+            if msg.get("op") == "started":
+                job.started = time.monotonic()
+                return
+        if status in ("compiled", "present"):
+            if status == "compiled" and msg.get("caused"):
+                self.resolver.count("compiles")
+            found = msg.get("found") or job_key
+            cache = self.resolver.cache
+            entry = cache.get_local(found) if cache is not None else None
+            if entry is None and msg.get("entry") and cache is not None:
+                # The worker could not store it (a full or read-only local tier): verify what it sent.
+                try:
+                    entry = cache.verify(found, base64.b64decode(msg["entry"]))
+                except Exception as e:  # noqa: BLE001 - a bad entry is never loaded
+                    self._finish(job_key, None, f"the compile worker's entry {found} does not verify: {e}")
+                    return
+            if entry is None:  # the worker wrote it, but our local tier does not have it: maybe the fleet
+                entry, _ = cache.get_entry(found) if cache is not None else (None, "")
+            if entry is None:
+                self._finish(job_key, None, f"compiled, but no tier this process reads holds entry {found}")
+                return
+            self._load(job_key, found, entry)
+        elif status == "unavailable":
+            self._warn("unavailable", f"neuron: {msg.get('reason')}; compiling in this process instead "
+                       "(slower: compiles share the training process's CPU and GIL)")
+            self.in_process = True
+            self._compile_here(job_key, job)
+        else:
+            why = str(msg.get("reason") or status)
+            self._finish(job_key, None, why if status == "refused" else f"compile {status}: {why}")
+
+    def _load(self, job_key: str, key: str, entry: Any) -> None:
+        try:
+            _entries.check(entry)
+            exe = self.resolver.load_entry(key, entry)
+        except CompileRefused as e:
+            self._finish(job_key, None, str(e))
+            return
+        except Exception as e:  # noqa: BLE001 - verified bytes that do not load here: never run them
+            self.resolver.count("corrupt")
+            self._finish(job_key, None, f"entry {key} does not load here ({type(e).__name__}: {e})")
+            return
+        self._finish(job_key, exe, None, found=key)
+
+    def _compile_here(self, job_key: str, job: _Job) -> None:
+        """The service is unavailable: the resolver's own (blocking) path, on this thread."""
+        for i, cand in enumerate(job.candidates):
+            try:
+                exe, k = self.resolver.resolve_now(cand)
+            except CompileRefused as e:
+                if i + 1 < len(job.candidates):
+                    continue
+                self._finish(job_key, None, str(e))
+                return
+            self._finish(job_key, exe, None, found=k)
+            return
+
+    def _finish(self, job_key: str, exe: Executable | None, why: str | None, found: str | None = None) -> None:
+        with self.cv:
+            job = self.jobs.pop(job_key, None)
+            if job is None:
+                return
+            self.counts["done"] += 1
+            self.latency.append(time.monotonic() - job.since)
+            if len(self.latency) > 4096:
+                del self.latency[:2048]
+            for k in job.keys:
+                self.waiting.pop(k, None)
+                if exe is None:
+                    self.refused[k] = why or "not compiled"
+            self.counts["loaded" if exe is not None else "refused"] += 1
+        if exe is not None:
+            for k, sig in job.keys.items():
+                self.resolver.remember(k, sig, exe)
+            if found is not None and found not in job.keys:
+                self.resolver.remember(found, job.candidates[0], exe)
+        with self.cv:
+            self.cv.notify_all()
+
+    # -- the service --------------------------------------------------------------------------------
+    def _client(self) -> Any:
+        if self.client is not None:
+            return self.client
+        try:
+            from ._service._client import SERVER, ServiceClient
+
+            path, env = service_address(self.cfg, self.resolver.fingerprint)
+            argv = [sys.executable, SERVER, "--socket", path, "--workers", str(self.cfg.compile_workers),
+                    "--timeout", str(self.cfg.compile_timeout_s), "--idle-timeout",
+                    str(self.cfg.compile_idle_timeout_s), "--max-queue", str(self.cfg.compile_queue)]
+            self.client = ServiceClient(path, argv, env, lambda m: self._push(("answer", m)))
+        except OSError as e:
+            self._warn("service", f"neuron: no compile service on this host ({e}); compiling in this process")
+            self.in_process = True
+            return None
+        return self.client
+
+    # -- prefetch and the manifest ------------------------------------------------------------------
+    def _prefetch(self, job: str) -> None:
+        cache = self.resolver.cache
+        if cache is None:
+            return
+        mkey = _manifest.key(job, self.resolver.fingerprint)
+        entry, _ = cache.get_entry(mkey)
+        if entry is None:
+            return
+        try:
+            items, problems = _manifest.parse(entry)
+        except _manifest.ManifestError as e:
+            self._warn("manifest", f"neuron: the manifest of job {job!r} cannot be used ({e}); ignoring it")
+            return
+        for k, sigs in list(items.items()):
+            try:
+                if self.resolver.key(sigs[-1]) != k:  # the exact signature comes last
+                    raise ValueError("this runtime keys its signature differently")
+            except (ValueError, TypeError, KeyError, _signature.SignatureError) as e:
+                problems.append(f"entry {k[:12]}: {e}")
+                del items[k]
+        if problems:
+            self._warn("manifest-items", f"neuron: {len(problems)} entr{'y' if len(problems) == 1 else 'ies'} of the "
+                       f"manifest of job {job!r} skipped (e.g. {problems[0]})")
+        with self.cv:
+            self.manifest_seen = dict(items)
+        wanted = [k for k in items if not self.resolver.has(k)]
+        found = cache.get_many(wanted) if wanted else {}
+        for k, e in found.items():
+            if e.header.get(_entries.REFUSED):
+                continue
+            try:
+                exe = self.resolver.load_entry(k, e)
+            except Exception:  # noqa: BLE001 - it loads (or is replaced) when an op needs it
+                continue
+            self.resolver.remember(k, items[k][0], exe)
+            with self.cv:
+                self.prefetched.add(k)
+                self.counts["prefetched"] += 1
+                if k in self.used:
+                    self.counts["prefetch_hits"] += 1
+        if self.cfg.cache_mode == "strict":
+            return  # strict: a miss is an error when it happens, never a background compile
+        for k in wanted:
+            if k not in found and not self.resolver.has(k):
+                self.request(k, items[k][-1], items[k], priority=1)
+
+    def _write_manifest(self) -> None:
+        cache = self.resolver.cache
+        with self.cv:
+            job = self.job
+            if job is None or cache is None or not cache.writable or self.dirty_since is None:
+                return
+            merged = dict(self.manifest_seen)
+            for k, v in self.used.items():
+                merged.setdefault(k, v)
+            if len(merged) == len(self.manifest_seen):
+                self.dirty_since = None
+                return
+            self.dirty_since = None
+            self.manifest_seen = merged
+        mkey = _manifest.key(job, self.resolver.fingerprint)
+        data = cache.pack(mkey, _manifest.header(job, self.resolver.fingerprint), _manifest.payload(job, merged))
+        for _, backend in cache.tiers:
+            backend.delete(mkey)  # a manifest grows: the new version replaces the old (first writer wins)
+        cache.put(mkey, data)
+        with self.cv:
+            self.counts["manifest_writes"] += 1
+
+    # -- end ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """At exit: write the manifest (bounded by the fleet timeout), disconnect from the service (which
+        finishes what it started: those entries land in the cache for the next run)."""
+        if self.closed:
+            return
+        if self.pid == os.getpid() and self.thread is not None:
+            self._push(("manifest", True))
+            with self.cv:
+                self.closed = True
+                self.cv.notify_all()
+            self.thread.join(max(1.0, self.cfg.fleet_timeout_s))
+        self.closed = True
+        client, self.client = self.client, None
+        if client is not None and self.pid == os.getpid():
+            client.close()
+
+    def _warn(self, what: str, message: str) -> None:
+        if what in self._warned:
+            log.debug("%s", message)
+            return
+        self._warned.add(what)
+        warnings.warn(message, UserWarning, stacklevel=2)
+
+
+def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """(socket path, environment) of the host's compile service for this configuration.
+
+    One service per host and configuration: its workers must compile what this process would (tier,
+    fingerprint, tiers, signing key, timeouts), so all of that is in the socket's name. The socket
+    lives in a private directory of this user's (`/tmp/neuron-runtime-<uid>`, mode 0o700): nobody
+    else can talk to it (Unix socket paths are short, so it cannot live in the cache directory)."""
+    from . import __file__ as package_file, __version__
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(_config.to_env(cfg))
+    env["TORCH_NEURONX_COMPILE_MODE"] = "sync"
+    for var in ("TORCH_NEURONX_RECORD_FILE", "TORCH_NEURONX_STATS_FILE", "TORCH_NEURONX_JOB"):
+        env.pop(var, None)
+    env["OMP_NUM_THREADS"] = "1"  # one compile per worker; OpenMP threads would fight over the cores
+    try:  # a local tier deleted and made anew is another tier: a service still writing to the old one
+        st = os.stat(cfg.local_cache_dir)  # (deleted files) must not serve this process
+        local_id = [st.st_dev, st.st_ino]
+    except OSError:
+        local_id = None
+    identity = {"runtime": __version__, "package": os.path.dirname(package_file), "python": sys.executable,
+                "local": local_id,
+                "fp": fingerprint, "env": {k: v for k, v in env.items()
+                                           if k.startswith(("TORCH_NEURONX_", "AWS_", "FSSPEC_"))}}
+    name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    d = os.path.join("/tmp", f"neuron-runtime-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise OSError(f"{d} is not a private directory of this user's (owner {st.st_uid}, mode "
+                      f"{oct(st.st_mode & 0o777)}); refusing to use a compile service there")
+    return os.path.join(d, f"{name}.sock"), env

@@ -1,0 +1,497 @@
+"""The host's compile service: one process per host and configuration, shared by every job on it.
+
+Standard library only, and started by path (`python .../_server.py`), so the service itself never
+imports torch: it queues, de-duplicates and hands signatures to worker processes (`_worker.py`), which
+do the compiling. Protocol and lifecycle: see `neuron_runtime._service`.
+
+    clients (training processes) ──JSON lines over a Unix socket──▶ Server
+         ▲                                                           │ one job per key, a bounded queue
+         └──────── {"op": "started" | "done", "key": ...} ◀──────────┤ (needed-now before prefetch)
+                                                                     ▼
+                                                   WorkerPool: N `_worker.py` processes (JSON lines)
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+log = logging.getLogger("neuron_runtime._service")
+
+PROTOCOL = 1
+
+START_TIMEOUT_S = 300.0  # a worker that is not ready by then is killed (and counts as dead on arrival)
+
+#: What a worker's answer may say (see `_worker.py`); everything else is reported as "failed".
+STATUSES = ("compiled", "present", "refused", "failed")
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker processes
+# --------------------------------------------------------------------------------------------------
+class WorkerPool:
+    """N worker processes, each fed one task at a time by a slot thread; answers are JSON lines.
+
+    `next_task()` blocks until there is a task `(task_id, payload)` for a slot, or returns None when the
+    pool closes; each task is sent as `{"i": task_id, **payload}`. `on_event(kind, task_id, answer)` is
+    called from the slot threads with kind "started" (a worker took the task) and "done" (its answer, or
+    a "failed" answer saying why). A worker that dies or runs past `timeout` is killed with its process
+    group (the C++ compiler's processes too) and replaced; its task is tried again up to `retries`
+    times, then reported failed with the reason and the tail of the worker's log. Two workers in a row
+    that die before answering anything mean workers cannot start here: every later task fails fast."""
+
+    def __init__(self, n: int, argv: list[str], env: dict[str, str], timeout: float | None,
+                 next_task: Callable[[], tuple[Any, dict[str, Any]] | None],
+                 on_event: Callable[[str, Any, dict[str, Any]], None], retries: int = 0) -> None:
+        self.n = n
+        self.argv = argv
+        self.env = env
+        self.timeout = timeout
+        self.next_task = next_task
+        self.on_event = on_event
+        self.retries = retries
+        self.lock = threading.Lock()
+        self.procs: set[subprocess.Popen[str]] = set()
+        self.started = 0
+        self.busy = 0
+        self.closing = False
+        self.broken: str | None = None
+        self.logs = tempfile.mkdtemp(prefix="neuron-compile-workers-")
+        self.threads = [threading.Thread(target=self._slot, args=(s,), name=f"neuron-compile-slot-{s}",
+                                         daemon=True) for s in range(n)]
+        for t in self.threads:
+            t.start()
+
+    # -- one slot ----------------------------------------------------------------------------------
+    def _start(self, slot: int) -> tuple[subprocess.Popen[str], IO[str]]:
+        """A new worker, once it said it is ready (imports take seconds; they count against no task's
+        timeout). A worker that dies first is returned all the same: its first task finds out."""
+        with self.lock:
+            self.started += 1
+            n = self.started
+        log_file = open(os.path.join(self.logs, f"worker-{slot}-{n}.log"), "w+", encoding="utf-8")  # noqa: SIM115
+        # Its own process group: a timeout kills the C++ compiler under it too.
+        proc = subprocess.Popen(self.argv, env=self.env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=log_file, bufsize=1, start_new_session=True)
+        with self.lock:
+            self.procs.add(proc)
+        assert proc.stdout is not None
+        timer = threading.Timer(START_TIMEOUT_S, self._kill, args=(proc,))
+        timer.start()
+        try:
+            proc.stdout.readline()  # {"ready": pid}, or "" if it died
+        except (OSError, ValueError):
+            pass
+        finally:
+            timer.cancel()
+        return proc, log_file
+
+    @staticmethod
+    def _tail(log_file: IO[str], n: int = 5) -> str:
+        log_file.flush()
+        log_file.seek(0)
+        lines = [ln for ln in log_file.read().splitlines() if ln.strip()]
+        return " | ".join(lines[-n:])
+
+    def _kill(self, proc: subprocess.Popen[str]) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+
+    def _ask(self, proc: subprocess.Popen[str], task_id: Any, payload: dict[str, Any]) -> tuple[str, bool]:
+        """Send one task, read one answer line ("" if the worker died); True if it was killed for time."""
+        assert proc.stdin is not None and proc.stdout is not None
+        timed_out = threading.Event()
+
+        def kill() -> None:
+            timed_out.set()
+            self._kill(proc)
+
+        timer = threading.Timer(self.timeout, kill) if self.timeout else None
+        try:
+            proc.stdin.write(json.dumps({"i": task_id, **payload}) + "\n")
+            proc.stdin.flush()
+            if timer is not None:
+                timer.start()
+            return proc.stdout.readline(), timed_out.is_set()
+        except (OSError, ValueError):
+            return "", timed_out.is_set()
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _slot(self, slot: int) -> None:
+        proc: subprocess.Popen[str] | None = None
+        log_file: IO[str] | None = None
+        answered = 0         # by the current worker
+        dead_on_arrival = 0  # consecutive workers of this slot that died before their first answer
+        try:
+            while True:
+                task = self.next_task()
+                if task is None:
+                    break
+                task_id, payload = task
+                if self.broken is not None:
+                    self.on_event("done", task_id, {"i": task_id, "status": "failed", "reason": self.broken})
+                    continue
+                with self.lock:
+                    self.busy += 1
+                self.on_event("started", task_id, {"i": task_id})
+                attempt, answer = 0, None
+                t0 = time.monotonic()
+                while answer is None:
+                    if proc is None:
+                        proc, log_file = self._start(slot)
+                        answered = 0
+                    assert log_file is not None
+                    line, timed_out = self._ask(proc, task_id, payload)
+                    try:
+                        answer = json.loads(line) if line else None
+                    except ValueError:
+                        answer = None
+                    if isinstance(answer, dict):
+                        answered += 1
+                        dead_on_arrival = 0
+                        break
+                    answer = None
+                    rc = proc.wait()
+                    why = (f"timed out after {self.timeout:g} s (worker killed)" if timed_out
+                           else f"compile worker died with status {rc}")
+                    tail = self._tail(log_file)
+                    why = f"{why}; worker log: {tail}" if tail else why
+                    log_file.close()
+                    with self.lock:
+                        self.procs.discard(proc)
+                    proc, log_file = None, None  # a fresh worker for the retry or the next task
+                    dead_on_arrival = dead_on_arrival + 1 if answered == 0 and not timed_out else 0
+                    if dead_on_arrival >= 2:
+                        self.broken = f"compile workers cannot start ({why})"
+                    attempt += 1
+                    if attempt > self.retries or self.broken is not None or self.closing:
+                        tried = f" (tried {attempt} times)" if attempt > 1 else ""
+                        answer = {"i": task_id, "status": "failed", "reason": why + tried,
+                                  "seconds": round(time.monotonic() - t0, 3)}
+                with self.lock:
+                    self.busy -= 1
+                self.on_event("done", task_id, answer)
+        finally:
+            if proc is not None:
+                self._stop(proc)
+            if log_file is not None:
+                log_file.close()
+
+    def _stop(self, proc: subprocess.Popen[str], grace: float = 60.0) -> None:
+        """EOF on its stdin ends a worker between tasks; one still busy after `grace` is killed."""
+        try:
+            assert proc.stdin is not None
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self._kill(proc)
+            proc.wait()
+        with self.lock:
+            self.procs.discard(proc)
+
+    def close(self, grace: float = 60.0) -> None:
+        """Stop taking tasks; let running ones finish for up to `grace` s, then kill what is left.
+        (`next_task` must return None from now on for the slots to end.)"""
+        self.closing = True
+        deadline = time.monotonic() + grace
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        with self.lock:
+            left = list(self.procs)
+        for p in left:
+            self._kill(p)
+            p.wait()
+        for t in self.threads:
+            t.join(5)
+        shutil.rmtree(self.logs, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The service
+# --------------------------------------------------------------------------------------------------
+class _Job:
+    __slots__ = ("key", "origin", "payload", "priority", "state", "waiters")
+
+    def __init__(self, key: str, payload: dict[str, Any], priority: int, origin: _Conn) -> None:
+        self.key = key
+        self.payload = payload
+        self.priority = priority
+        self.waiters: set[_Conn] = set()
+        self.state = "queued"  # queued | running
+        self.origin = origin  # the client that asked first: the compile counts in its stats
+
+
+class _Conn:
+    """One client connection: a reader thread; writes from any thread under a lock."""
+
+    def __init__(self, server: Server, sock: socket.socket) -> None:
+        self.server = server
+        self.sock = sock
+        self.wlock = threading.Lock()
+        self.alive = True
+        self.pid: int | None = None
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if not self.alive:
+            return
+        data = (json.dumps(msg) + "\n").encode()
+        try:
+            with self.wlock:
+                self.sock.sendall(data)
+        except OSError:
+            self.alive = False
+
+    def serve(self) -> None:
+        buf = b""
+        try:
+            while True:
+                chunk = self.sock.recv(1 << 16)
+                if not chunk:
+                    break
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        self.server.handle(self, line)
+        except OSError:
+            pass
+        finally:
+            self.alive = False
+            self.server.disconnected(self)
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+
+class Server:
+    """Jobs by key (one compile however many clients ask), needed-now before prefetched, FIFO within.
+
+    A client that disconnects leaves its jobs queued: what started is finished and lands in the cache
+    for the next run. The service exits when it has had no client and no job for `idle_timeout`
+    seconds, or on SIGTERM/SIGINT (running compiles get `grace` seconds, queued ones are dropped)."""
+
+    def __init__(self, socket_path: str, workers: int, worker_argv: list[str], env: dict[str, str],
+                 timeout: float | None, idle_timeout: float, max_queue: int, grace: float = 30.0) -> None:
+        self.socket_path = socket_path
+        self.idle_timeout = idle_timeout
+        self.max_queue = max_queue
+        self.grace = grace
+        self.cv = threading.Condition()
+        self.jobs: dict[str, _Job] = {}
+        self.heap: list[tuple[int, int, str]] = []
+        self.seq = itertools.count()
+        self.conns: set[_Conn] = set()
+        self.results: dict[str, dict[str, Any]] = {}  # recent answers, for a client asking again
+        self.stopping = False
+        self.last_busy = time.monotonic()
+        self.counts = {"jobs": 0, "compiled": 0, "present": 0, "refused": 0, "failed": 0, "rejected": 0}
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.pool = WorkerPool(workers, worker_argv, env, timeout, self._next_task, self._on_event, retries=1)
+
+    # -- queue ---------------------------------------------------------------------------------------
+    def _next_task(self) -> tuple[Any, dict[str, Any]] | None:
+        with self.cv:
+            while True:
+                if self.stopping:
+                    return None
+                while self.heap:
+                    prio, _, key = heapq.heappop(self.heap)
+                    job = self.jobs.get(key)
+                    if job is None or job.state != "queued" or job.priority != prio:
+                        continue  # a stale heap entry (the job was bumped, or is done)
+                    job.state = "running"
+                    return key, job.payload
+                self.cv.wait()
+
+    def _on_event(self, kind: str, key: Any, answer: dict[str, Any]) -> None:
+        with self.cv:
+            job = self.jobs.get(key)
+            if job is None:
+                return
+            waiters = list(job.waiters)
+            origin = job.origin
+            if kind == "done":
+                del self.jobs[key]
+                status = answer.get("status")
+                if status not in STATUSES:
+                    answer = {"status": "failed", "reason": f"unexpected worker answer {answer!r}"[:500]}
+                    status = "failed"
+                self.counts[str(status)] += 1
+                self.results[key] = answer
+                if len(self.results) > 10000:
+                    self.results.pop(next(iter(self.results)))
+                self.last_busy = time.monotonic()
+                self.cv.notify_all()
+        msg = {k: v for k, v in answer.items() if k != "i"}
+        msg.update(op=kind, key=key)
+        for c in waiters:
+            c.send(dict(msg, caused=c is origin) if kind == "done" else msg)
+
+    # -- clients -------------------------------------------------------------------------------------
+    def handle(self, conn: _Conn, line: bytes) -> None:
+        try:
+            msg = json.loads(line)
+            op = msg["op"]
+        except (ValueError, KeyError, TypeError):
+            conn.send({"op": "error", "reason": "not a JSON object with an 'op'"})
+            return
+        if op == "hello":
+            conn.pid = msg.get("pid")
+            conn.send({"op": "hello", "protocol": PROTOCOL, "pid": os.getpid(), "workers": self.pool.n})
+        elif op == "compile":
+            self._compile(conn, msg)
+        elif op == "status":
+            with self.cv:
+                state = {"op": "status", "queued": sum(j.state == "queued" for j in self.jobs.values()),
+                         "running": sum(j.state == "running" for j in self.jobs.values()),
+                         "clients": len(self.conns), "workers": self.pool.n, "counts": dict(self.counts)}
+            conn.send(state)
+        else:
+            conn.send({"op": "error", "reason": f"unknown op {op!r}"})
+
+    def _compile(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        key, payload = msg.get("key"), msg.get("payload")
+        priority = 0 if msg.get("priority", 0) == 0 else 1
+        if not isinstance(key, str) or not isinstance(payload, dict):
+            conn.send({"op": "error", "reason": "compile needs a 'key' and a 'payload'"})
+            return
+        with self.cv:
+            job = self.jobs.get(key)
+            if job is None:
+                if len(self.jobs) >= self.max_queue:
+                    self.counts["rejected"] += 1
+                    reply: dict[str, Any] | None = {"op": "done", "key": key, "status": "busy",
+                                                    "reason": f"compile queue full ({self.max_queue} jobs)"}
+                else:
+                    job = self.jobs[key] = _Job(key, payload, priority, conn)
+                    self.counts["jobs"] += 1
+                    heapq.heappush(self.heap, (priority, next(self.seq), key))
+                    self.cv.notify_all()
+                    reply = None
+            else:
+                reply = {"op": "started", "key": key} if job.state == "running" else None
+                if priority < job.priority and job.state == "queued":
+                    job.priority = priority  # a prefetched key is needed now: ahead of the queue
+                    heapq.heappush(self.heap, (priority, next(self.seq), key))
+            if job is not None:
+                job.waiters.add(conn)
+        if reply is not None:
+            conn.send(reply)
+
+    def disconnected(self, conn: _Conn) -> None:
+        with self.cv:
+            self.conns.discard(conn)
+            for job in self.jobs.values():
+                job.waiters.discard(conn)
+            self.last_busy = time.monotonic()
+            self.cv.notify_all()
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self.stopping:
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:
+                break
+            conn = _Conn(self, sock)
+            with self.cv:
+                if self.stopping:
+                    sock.close()
+                    break
+                self.conns.add(conn)
+                self.last_busy = time.monotonic()
+            threading.Thread(target=conn.serve, name="neuron-compile-conn", daemon=True).start()
+
+    def stop(self, *_: Any) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+
+    def serve(self) -> int:
+        """Bind, serve until idle or signalled, drain. The socket path is removed on the way out."""
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        self.sock.bind(self.socket_path)
+        os.chmod(self.socket_path, 0o600)
+        self.sock.listen(64)
+        threading.Thread(target=self._accept, name="neuron-compile-accept", daemon=True).start()
+        log.info("compile service %d on %s with %d worker(s)", os.getpid(), self.socket_path, self.pool.n)
+        with self.cv:
+            while not self.stopping:
+                idle = not self.conns and not self.jobs
+                if idle and time.monotonic() - self.last_busy >= self.idle_timeout:
+                    log.info("compile service idle for %.0f s: exiting", self.idle_timeout)
+                    self.stopping = True
+                    break
+                self.cv.wait(0.25 if idle else 1.0)
+            self.cv.notify_all()
+        # Stop accepting first (a client connecting now starts a new service), then drain.
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        self.sock.close()
+        self.pool.close(self.grace)
+        with self.cv:
+            conns = list(self.conns)
+        for c in conns:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        log.info("compile service %d done: %s", os.getpid(), self.counts)
+        return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="neuron-compile-service", description="The host's compile service "
+                                "(started on demand by the runtime; see neuron_runtime._service).")
+    p.add_argument("--socket", required=True, help="Unix socket path to serve on")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=None, help="seconds one compile may take")
+    p.add_argument("--idle-timeout", type=float, default=300.0)
+    p.add_argument("--max-queue", type=int, default=4096)
+    p.add_argument("--nice", type=int, default=10, help="niceness of the worker processes")
+    p.add_argument("--python", default=sys.executable)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("TORCH_NEURONX_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s neuron-compile-service %(levelname)s: %(message)s")
+    env = dict(os.environ)
+    worker = [args.python, "-m", "neuron_runtime._service._worker", "--nice", str(args.nice)]
+    server = Server(args.socket, max(1, args.workers), worker, env, args.timeout, args.idle_timeout, args.max_queue)
+    signal.signal(signal.SIGTERM, server.stop)
+    signal.signal(signal.SIGINT, server.stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the terminal of the job that started it may go away
+    return server.serve()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
