@@ -80,6 +80,7 @@ class Config:
     compile_timeout_s: float = 900.0
     compile_idle_timeout_s: float = 300.0
     compile_queue: int = 4096
+    compile_after: int = 2  # a key is compiled once it was asked for this many times (1: on first sight)
     job: str | None = None
     prefetch: bool = True
 
@@ -112,6 +113,7 @@ _VARS: dict[str, tuple[str, object]] = {
     "TORCH_NEURONX_COMPILE_TIMEOUT": ("compile_timeout_s", float),
     "TORCH_NEURONX_COMPILE_IDLE_TIMEOUT": ("compile_idle_timeout_s", float),
     "TORCH_NEURONX_COMPILE_QUEUE": ("compile_queue", int),
+    "TORCH_NEURONX_COMPILE_AFTER": ("compile_after", int),
     "TORCH_NEURONX_JOB": ("job", str),
     "TORCH_NEURONX_PREFETCH": ("prefetch", lambda v: _flag(v, True)),
 }

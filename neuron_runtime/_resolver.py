@@ -46,6 +46,7 @@ class Resolver:
         self._cache: TieredCache | None = None
         self._cache_opened = False
         self._background: Any = None
+        self.seen: dict[str, int] = {}  # background mode: requests of keys not yet queued for compiling
         self.recorder: Callable[[dict[str, Any], str], None] | None = None
         if cfg.record_file:
             from ._record import Recorder
@@ -143,8 +144,14 @@ class Resolver:
                     break
                 exe = self.remember(k, cand, exe)
             return self.remember(digest, sig, exe), digest
-        self.count("misses")
-        bg.request(digest, sig, candidates)
+        # A signature met once only (a decode step's KV length, a warm-up shape) is not worth a compile:
+        # it is compiled from its `compile_after`-th request on (docs/background.md: the measurement).
+        with self.lock:
+            seen = self.seen[digest] = self.seen.get(digest, 0) + 1
+        if seen == 1:
+            self.count("misses")
+        if seen >= self.cfg.compile_after:
+            bg.request(digest, sig, candidates)
         return None, digest
 
     def candidates(self, sig: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,0 +1,27 @@
+"""The host's compile service: background compiles for every process on a host (docs/background.md).
+
+    training process ──▶ ServiceClient ──Unix socket, JSON lines──▶ Server (_server.py, no torch)
+      (_background.py)     (_client.py)                               └─ WorkerPool ──▶ _worker.py × N
+
+Lifecycle. One service per host and configuration (tier, compiler fingerprint, cache tiers, signing key,
+timeouts: all part of its socket's name, under the private `/tmp/neuron-runtime-<uid>/`). The first
+process that needs a compile starts it (under a lock file: concurrent processes start one); it is
+shared by every later process with the same configuration (e.g. the ranks of a job), outlives the job
+that started it, and exits after TORCH_NEURONX_COMPILE_IDLE_TIMEOUT seconds with no client and no job.
+On SIGTERM it stops taking jobs, gives running compiles 30 s, and exits. Its workers die with it
+(PR_SET_PDEATHSIG); a worker killed mid-compile leaves nothing behind, because entries are written
+whole or not at all (temp file + rename, one SQLite transaction).
+
+Protocol (client -> service; one JSON object per line, never pickle):
+    {"op": "hello", "pid": N}                           -> {"op": "hello", "protocol": 1, "pid": ..., "workers": n}
+    {"op": "compile", "key": K, "payload": {"signatures": [...], "key": K}, "priority": 0|1}
+        0: an op waits for it (host runs meanwhile); 1: prefetched from the job's manifest (queued behind).
+        The service keeps one job per K however many clients ask, and answers each of them:
+        {"op": "started", "key": K}
+        {"op": "done", "key": K, "status": "compiled"|"present"|"refused"|"failed"|"busy", "found": key,
+         "reason": ..., "seconds": ..., "caused": bool, "entry": base64 (only if the local tier refused it)}
+    {"op": "status"}                                    -> queued, running, clients, workers, counts
+"compiled" and "present" mean the entry `found` is in the tiers (the local tier first); "caused" is true
+for the client whose request made the compile (its `stats()["compiles"]` counts it); "busy" means the
+bounded queue (TORCH_NEURONX_COMPILE_QUEUE) is full: the client asks again later.
+"""

@@ -1,0 +1,99 @@
+"""Job manifests and prefetch, with real processes: a job on one "host" warms a shared fleet store, a
+job on a fresh "host" fetches its executables before calling them; bad manifests never stop a job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_background import job_env, run_job, sync_losses
+
+from neuron_runtime import _manifest, _signature, envelope
+from neuron_runtime.cache import SharedPathStore
+from neuron_runtime.compiler import get_compiler
+
+JOB = "prefetch-test-job"
+
+
+def fleet_env(tmp: Path, host: str, **extra: str) -> dict[str, str]:
+    return job_env(tmp, TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(tmp / host), TORCH_NEURONX_NEFF_CACHE_DIR=str(tmp / "fleet"),
+                   TORCH_NEURONX_JOB=JOB, TORCH_NEURONX_PREFETCH="1", **extra)
+
+
+def manifest_key() -> str:
+    return _manifest.key(JOB, get_compiler("reference").fingerprint())
+
+
+@pytest.fixture
+def warm_fleet(tmp_path: Path) -> dict[str, object]:
+    """One job that compiled everything into the fleet store and wrote its manifest there."""
+    r, _ = run_job(tmp_path, "warm", fleet_env(tmp_path, "host-a", JOB_STEPS="2", JOB_WAIT="120"))
+    assert r["stats"]["compiles"] > 10 and r["stats"]["background"]["manifest_writes"] >= 1
+    assert SharedPathStore(str(tmp_path / "fleet")).get(manifest_key()) is not None
+    return r
+
+
+def test_fresh_host_prefetches_from_the_fleet_and_compiles_nothing(tmp_path: Path, warm_fleet: dict[str, object]) -> None:
+    r, err = run_job(tmp_path, "fresh", fleet_env(tmp_path, "host-b", JOB_STEPS="2", JOB_WAIT="60"))
+    s = r["stats"]
+    bg = s["background"]
+    assert s["compiles"] == 0 and bg["queued"] == 0
+    assert bg["prefetched"] == len(warm_fleet["keys"]) and bg["prefetch_hits"] > 10
+    assert s["hits"]["fleet"] >= bg["prefetched"]
+    assert r["host_runs"][-2:] == [0, 0]
+    assert r["losses"] == warm_fleet["losses"]
+
+
+def _rewrite_manifest(tmp: Path, data: bytes) -> None:
+    for store in (SharedPathStore(str(tmp / "fleet")),):
+        store.delete(manifest_key())
+        assert store.put(manifest_key(), data)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "forged", "foreign-signatures"])
+def test_bad_manifest_is_never_used_and_the_job_trains_on(tmp_path: Path, warm_fleet: dict[str, object],
+                                                          damage: str) -> None:
+    key = manifest_key()
+    extra: dict[str, str] = {}
+    if damage == "corrupt":
+        good = SharedPathStore(str(tmp_path / "fleet")).get(key)
+        assert good is not None
+        _rewrite_manifest(tmp_path, good[:-40] + b"\0" * 40)
+    elif damage == "forged":
+        # Signed with a key the fleet does not trust (every reader has TORCH_NEURONX_CACHE_SIGNING_KEY).
+        fp = get_compiler("reference").fingerprint()
+        doc = {"format": _manifest.FORMAT, "job": JOB, "entries": []}
+        _rewrite_manifest(tmp_path, envelope.pack(key, _manifest.header(JOB, fp), _signature.canonical(doc),
+                                                  b"not-the-fleet-key"))
+        extra["TORCH_NEURONX_CACHE_SIGNING_KEY"] = "the-fleet-key"
+    else:
+        # Verifies, but names signatures this runtime keys differently or does not know.
+        fp = get_compiler("reference").fingerprint()
+        unknown = {"op": "aten::no_such_op", "schema": "?", "args": []}
+        doc = {"format": _manifest.FORMAT, "job": JOB, "entries": [
+            {"key": "0" * 64, "signatures": [unknown]},
+            {"key": _signature.cache_key(unknown, fp), "signatures": [unknown]},
+            {"key": "1" * 64, "signatures": "not a list"}]}
+        _rewrite_manifest(tmp_path, envelope.pack(key, _manifest.header(JOB, fp), _signature.canonical(doc), None))
+    r, err = run_job(tmp_path, "fresh", fleet_env(tmp_path, "host-b", JOB_STEPS="2", JOB_WAIT="120", **extra))
+    assert r["losses"] == pytest.approx(warm_fleet["losses"], rel=1e-6)
+    assert r["host_runs"][-1] == 0 and r["stats"]["fallback_ops"] == []
+    assert r["stats"]["background"]["prefetched"] == 0
+    if damage == "corrupt":
+        assert r["stats"]["corrupt"] >= 1 and "quarantined" in err
+    elif damage == "forged":
+        assert r["stats"]["corrupt"] >= 1 and "signature" in err
+    else:
+        assert "manifest of job" in err and "skipped" in err
+
+
+def test_fleet_store_down_at_start(tmp_path: Path) -> None:
+    from tests.conftest import free_port
+
+    env = job_env(tmp_path, TORCH_NEURONX_NEFF_CACHE_DIR=f"grpc://127.0.0.1:{free_port()}", TORCH_NEURONX_JOB=JOB,
+                  TORCH_NEURONX_PREFETCH="1", TORCH_NEURONX_FLEET_TIMEOUT="1", JOB_STEPS="2", JOB_WAIT="120")
+    r, err = run_job(tmp_path, "down", env)
+    assert r["losses"] == pytest.approx(sync_losses(tmp_path, "4"), rel=1e-6)
+    assert r["stats"]["fleet_errors"] >= 1 and r["host_runs"][-1] == 0
+    assert json.dumps(r["stats"]["fallback_ops"]) == "[]"
