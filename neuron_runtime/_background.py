@@ -72,6 +72,7 @@ class Background:
         self.job: str | None = None
         self.manifest_seen: dict[str, list[dict[str, Any]]] = {}
         self.dirty_since: float | None = None
+        self.republish = False  # the manifest is missing from a tier (write it even if nothing is new)
         self.client: Any = None
         self.in_process = False  # the service is unavailable: compile here
         self.pid = os.getpid()
@@ -361,6 +362,9 @@ class Background:
                        f"manifest of job {job!r} skipped (e.g. {problems[0]})")
         with self.cv:
             self.manifest_seen = dict(items)
+            if cache.fleet is not None and mkey not in cache.fleet.contains_many([mkey]):
+                self.republish = True  # found locally only: the fleet store gets it too
+                self.dirty_since = time.monotonic()
         wanted = [k for k in items if not self.resolver.has(k)]
         found = cache.get_many(wanted) if wanted else {}
         for k, e in found.items():
@@ -391,10 +395,11 @@ class Background:
             merged = dict(self.manifest_seen)
             for k, v in self.used.items():
                 merged.setdefault(k, v)
-            if len(merged) == len(self.manifest_seen):
+            if len(merged) == len(self.manifest_seen) and not self.republish:
                 self.dirty_since = None
                 return
             self.dirty_since = None
+            self.republish = False
             self.manifest_seen = merged
         mkey = _manifest.key(job, self.resolver.fingerprint)
         data = cache.pack(mkey, _manifest.header(job, self.resolver.fingerprint), _manifest.payload(job, merged))

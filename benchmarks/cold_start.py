@@ -1,0 +1,257 @@
+"""Cold start with background compiles vs blocking ones, in fresh processes, side by side (JSON on stdout).
+
+    python benchmarks/cold_start.py [--tier aoti|reference] [--steps N] [--only NAME,...]
+
+Each case is a new process (`--child`) training `make demo`'s model (or `--variant wide`: a bigger MLP,
+a new batch every step) on a fresh local cache *and* fresh Inductor scratch (precompiled headers, TMPDIR),
+so every compile is an honest cold one. The aoti fingerprint, kept once per torch install, is computed
+before the first case. Cases:
+  sync_cold        TORCH_NEURONX_COMPILE_MODE=sync: the first step compiles every signature
+  bg_cold_w1/_w2   background mode with 1 / 2 compile workers: first step, time until no op runs on the
+                   host ("all compiled"), compiles/s
+  warm_local       the same job on the warm local tier (the reference for first-step ratios)
+  fleet_path/grpc  a fresh host (empty local tier) against a warm fleet store (a shared path; a real gRPC
+                   cache server): first step, entries prefetched before the first op, compiles
+  four_procs       4 processes of one job on one cold host at once: compiles summed vs unique keys, and
+                   each process's slowest step (a step that waited for a compile would take seconds)
+  variant_wide     bg_cold_w1 on the wide variant (another model size, a new batch every step, .item())
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def child(args: argparse.Namespace) -> None:
+    t_import = time.perf_counter()
+    import torch
+
+    import neuron_runtime
+    from neuron_runtime import _dispatch
+
+    torch.manual_seed(0)
+    wide = args.variant == "wide"
+    dims = (256, 512, 10) if wide else (32, 64, 10)
+    batch = 128 if wide else 64
+    model = torch.nn.Sequential(torch.nn.Linear(dims[0], dims[1]), torch.nn.GELU(),
+                                torch.nn.Linear(dims[1], dims[2])).to("neuron")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, dims[0], device="neuron")
+    y = torch.randint(0, dims[2], (batch,), device="neuron")
+    bg = neuron_runtime.stats().get("background", {})
+    prefetched_before = bg.get("prefetched", 0)
+    times, host, losses = [], [], []
+    t0 = time.perf_counter()
+    compiled_at = None
+    step = 0
+    while True:
+        if wide:
+            x = torch.randn(batch, dims[0], device="neuron")
+        before = neuron_runtime.stats()["host_runs"]
+        ts = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - ts)
+        step += 1
+        s = neuron_runtime.stats()
+        host.append(s["host_runs"] - before)
+        if compiled_at is None and host[-1] == 0 and not s.get("background", {}).get("pending"):
+            compiled_at = time.perf_counter() - t0
+        if compiled_at is not None and step >= args.steps:
+            break
+        if time.perf_counter() - t0 > args.max_seconds:
+            break
+    s = neuron_runtime.stats()
+    rest = times[1:] or times
+    print(json.dumps({
+        "first_step_s": round(times[0], 4), "import_to_first_op_s": round(ts - t_import, 3) if step == 1 else None,
+        "all_compiled_after_s": None if compiled_at is None else round(compiled_at, 2),
+        "steps": step, "steps_with_host_runs": sum(1 for h in host if h), "max_step_s": round(max(times), 4),
+        "median_step_ms": round(1000 * sorted(rest)[len(rest) // 2], 3), "compiles": s["compiles"],
+        "prefetched_before_first_op": prefetched_before, "background": s.get("background"),
+        "hits": s["hits"], "fallback_ops": s["fallback_ops"], "keys": sorted(_dispatch.runtime().by_digest),
+        "loss_last": losses[-1]}))
+
+
+class Case:
+    def __init__(self, root: Path, tier: str) -> None:
+        self.root = root
+        self.tier = tier
+
+    def env(self, local: Path, **extra: str) -> dict[str, str]:
+        # The local tier's parent holds Inductor's scratch (precompiled headers): a fresh parent is a cold host.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+        env.update(TORCH_NEURONX_COMPILER=self.tier, TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(local / "neff"),
+                   TORCH_NEURONX_COMPILE_IDLE_TIMEOUT="5", OMP_NUM_THREADS="1", TMPDIR=str(local / "tmp"))
+        (local / "tmp").mkdir(parents=True, exist_ok=True)
+        env.update(extra)
+        return env
+
+    def run(self, env: dict[str, str], steps: int, variant: str = "demo", max_seconds: float = 3600) -> dict[str, Any]:
+        r = subprocess.run([sys.executable, __file__, "--child", "--steps", str(steps), "--variant", variant,
+                            "--max-seconds", str(max_seconds)], env=env, stdout=subprocess.PIPE, text=True,
+                           timeout=max_seconds + 600)
+        if r.returncode != 0:
+            raise RuntimeError(f"child failed ({r.returncode})")
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def wait_services_gone(self, timeout: float = 60) -> None:
+        """Let a case's compile service idle out before the next case starts (no CPU shared across cases)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            out = subprocess.run(["pgrep", "-f", "_service/_server.py"], capture_output=True, text=True).stdout
+            if not out.strip():
+                return
+            time.sleep(0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tier", default="aoti", choices=["aoti", "reference"])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--only", default="", help="comma-separated case names")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="demo", help=argparse.SUPPRESS)
+    p.add_argument("--max-seconds", type=float, default=3600, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    only = set(filter(None, args.only.split(",")))
+    want = (lambda name: not only or name in only)  # noqa: E731
+    root = Path(tempfile.mkdtemp(prefix="neuron-cold-start-"))
+    case = Case(root, args.tier)
+    out: dict[str, Any] = {"tier": args.tier, "steps": args.steps, "cpus": os.cpu_count(),
+                           "load_before": os.getloadavg()}
+    # The aoti fingerprint is computed once per torch install (Inductor's import): not part of any case.
+    subprocess.run([sys.executable, "-c", "from neuron_runtime import _dispatch; _dispatch.runtime()"],
+                   env=case.env(root / "fingerprint"), check=True)
+    try:
+        keys: list[str] = []
+        if want("sync_cold"):
+            print("== sync_cold", file=sys.stderr, flush=True)
+            out["sync_cold"] = r = case.run(case.env(root / "sync", TORCH_NEURONX_COMPILE_MODE="sync"), args.steps)
+            keys = r.pop("keys")
+        warm_dir = None
+        for w in (1, 2):
+            name = f"bg_cold_w{w}"
+            if want(name):
+                print(f"== {name}", file=sys.stderr, flush=True)
+                d = root / name
+                r = case.run(case.env(d, TORCH_NEURONX_COMPILE_WORKERS=str(w), TORCH_NEURONX_JOB="cold-start"),
+                             args.steps)
+                keys = r.pop("keys")
+                if r["all_compiled_after_s"]:
+                    r["compiles_per_s"] = round(r["compiles"] / r["all_compiled_after_s"], 4)
+                out[name] = r
+                warm_dir = warm_dir or d
+                case.wait_services_gone()
+        if warm_dir is not None and want("warm_local"):
+            print("== warm_local", file=sys.stderr, flush=True)
+            r = case.run(case.env(warm_dir, TORCH_NEURONX_JOB="cold-start"), args.steps)
+            r.pop("keys")
+            out["warm_local"] = r
+        if warm_dir is not None:
+            for kind in ("path", "grpc"):
+                if not want(f"fleet_{kind}"):
+                    continue
+                print(f"== fleet_{kind}", file=sys.stderr, flush=True)
+                server = None
+                if kind == "path":
+                    url = str(root / "fleet-path")
+                else:
+                    port = _free_port()
+                    server = subprocess.Popen([sys.executable, "-m", "cache_server", "--listen", f"127.0.0.1:{port}",
+                                               "--storage", str(root / "fleet-grpc")], stderr=subprocess.DEVNULL)
+                    url = f"grpc://127.0.0.1:{port}"
+                    time.sleep(3)
+                try:
+                    # Warm the store: the warm host's run writes the job's manifest there; `neuron-cache
+                    # compile` pushes the entries it has locally.
+                    manifest = root / f"record-{kind}.jsonl"
+                    case.run(case.env(warm_dir, TORCH_NEURONX_NEFF_CACHE_DIR=url, TORCH_NEURONX_JOB="cold-start",
+                                      TORCH_NEURONX_RECORD_FILE=str(manifest)), 2)
+                    subprocess.run([sys.executable, "-m", "neuron_runtime.cli", "compile", str(manifest), "--tier",
+                                    args.tier, "--local-dir", str(warm_dir / "neff"), "--fleet", url, "--json"],
+                                   env=case.env(warm_dir), check=True, stdout=subprocess.DEVNULL)
+                    r = case.run(case.env(root / f"fresh-{kind}", TORCH_NEURONX_NEFF_CACHE_DIR=url,
+                                          TORCH_NEURONX_JOB="cold-start"), args.steps)
+                    r.pop("keys")
+                    out[f"fleet_{kind}"] = r
+                finally:
+                    if server is not None:
+                        server.terminate()
+                        server.wait(30)
+                case.wait_services_gone()
+        if want("four_procs"):
+            print("== four_procs", file=sys.stderr, flush=True)
+            d = root / "four"
+            env = case.env(d, TORCH_NEURONX_JOB="cold-start-4")
+            procs = [subprocess.Popen([sys.executable, __file__, "--child", "--steps", str(args.steps)], env=env,
+                                      stdout=subprocess.PIPE, text=True) for _ in range(4)]
+            results = [json.loads(pr.communicate()[0].strip().splitlines()[-1]) for pr in procs]
+            unique = set().union(*(r.pop("keys") for r in results))
+            out["four_procs"] = {"compiles_sum": sum(r["compiles"] for r in results), "unique_keys": len(unique),
+                                 "first_step_s": [r["first_step_s"] for r in results],
+                                 "max_step_s": [r["max_step_s"] for r in results],
+                                 "all_compiled_after_s": [r["all_compiled_after_s"] for r in results]}
+            case.wait_services_gone()
+        if want("variant_wide"):
+            print("== variant_wide", file=sys.stderr, flush=True)
+            env = case.env(root / "wide", TORCH_NEURONX_COMPILE_WORKERS="1")
+            r = case.run(env, args.steps, variant="wide")
+            r.pop("keys")
+            out["variant_wide"] = r
+            case.wait_services_gone()
+            r = case.run(env, args.steps, variant="wide")
+            r.pop("keys")
+            out["variant_wide_warm"] = r
+        # The targets, as ratios (None where a case did not run).
+        sync_first = out.get("sync_cold", {}).get("first_step_s")
+        warm_first = out.get("warm_local", {}).get("first_step_s")
+        ratios: dict[str, Any] = {}
+        for name in ("bg_cold_w1", "bg_cold_w2", "variant_wide"):
+            r = out.get(name)
+            warm = out.get("variant_wide_warm" if name == "variant_wide" else "warm_local", {}).get("first_step_s")
+            if r:
+                ratios[name] = {"first_step_s": r["first_step_s"],
+                                "first_vs_warm": round(r["first_step_s"] / warm, 2) if warm else None,
+                                "all_compiled_vs_sync_first": round(r["all_compiled_after_s"] / sync_first, 2)
+                                if sync_first and r["all_compiled_after_s"] else None}
+        for name in ("fleet_path", "fleet_grpc"):
+            r = out.get(name)
+            if r and warm_first:
+                ratios[name] = {"first_vs_warm": round(r["first_step_s"] / warm_first, 2), "compiles": r["compiles"],
+                                "prefetched_before_first_op": r["prefetched_before_first_op"]}
+        out["targets"] = ratios
+        out["keys"] = len(keys)
+        out["load_after"] = os.getloadavg()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
