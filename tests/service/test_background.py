@@ -164,3 +164,14 @@ def test_strict_mode_never_compiles_in_the_background(tmp_path: Path) -> None:
     proc, out = start_job(tmp_path, "strict", env)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "strict cache mode" in err and not out.exists()
+
+
+def test_local_tier_that_keeps_nothing_still_serves_the_job(tmp_path: Path) -> None:
+    # A local tier capped below one entry evicts every write at once (as a full disk keeps none): the
+    # worker sends the entry in its answer, and the job verifies and loads it from there.
+    env = job_env(tmp_path, JOB_STEPS="2", JOB_WAIT="120", TORCH_NEURONX_NEFF_CACHE_MAX_SIZE="1")
+    r, err = run_job(tmp_path, "bg", env)
+    s = r["stats"]
+    assert r["waited"] is True and r["host_runs"][-1] == 0 and s["fallback_ops"] == []
+    assert s["background"]["loaded"] == s["compiles"] > 10
+    assert r["losses"] == pytest.approx(sync_losses(tmp_path, "4"), rel=1e-6)
