@@ -1,6 +1,7 @@
 """A training job for the background-compile tests (a process of its own): a 2-layer MLP, AdamW.
 
-JOB_STEPS (default 3) steps; JOB_WAIT=S: then `wait_for_compiles(S)` and JOB_STEPS more steps;
+JOB_STEPS (default 3) steps; JOB_WAIT=S: then `wait_for_compiles(S)` and JOB_STEPS more steps (JOB_ROUNDS
+times: default 1);
 JOB_OUT=path: write JSON there: per-step losses and host runs, stats(), the service's pid.
 JOB_SIGTERM_SELF=1: after the steps, once the compile service has its queue, send this process SIGTERM
 (it dies without running atexit: mid-compile, as a job killed by its scheduler)."""
@@ -37,8 +38,9 @@ def main() -> None:
     n = int(os.environ.get("JOB_STEPS", "3"))
     steps(n)
     if os.environ.get("JOB_WAIT"):
-        waited = neuron_runtime.wait_for_compiles(float(os.environ["JOB_WAIT"]))
-        steps(n)
+        for _ in range(int(os.environ.get("JOB_ROUNDS", "1"))):
+            waited = neuron_runtime.wait_for_compiles(float(os.environ["JOB_WAIT"]))
+            steps(n)
     bg = _dispatch.runtime().resolver._background
     client = bg.client if bg is not None else None
     if os.environ.get("JOB_SIGTERM_SELF"):  # the service's pid is known once it answered

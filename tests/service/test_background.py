@@ -175,3 +175,15 @@ def test_local_tier_that_keeps_nothing_still_serves_the_job(tmp_path: Path) -> N
     assert r["waited"] is True and r["host_runs"][-1] == 0 and s["fallback_ops"] == []
     assert s["background"]["loaded"] == s["compiles"] > 10
     assert r["losses"] == pytest.approx(sync_losses(tmp_path, "4"), rel=1e-6)
+
+
+def test_fusion_groups_compile_in_the_background_too(tmp_path: Path) -> None:
+    # AdamW's foreach update is one fused group from its third flush on (once its ops are compiled); in
+    # background mode the group runs op by op until its executable is in, then fused.
+    fuse = {"TORCH_NEURONX_ENABLE_CONCATENATION": "1", "TORCH_NEURONX_FUSION_MIN_NUMEL": "0", "JOB_STEPS": "5"}
+    r, _ = run_job(tmp_path, "bg", job_env(tmp_path, JOB_WAIT="120", JOB_ROUNDS="2", **fuse))
+    s = r["stats"]
+    assert r["waited"] is True and s["fusion"]["groups_fused"] >= 1 and s["fusion"]["fused_executions"] >= 3
+    sync, _ = run_job(tmp_path, "sync", job_env(tmp_path / "sync", TORCH_NEURONX_COMPILE_MODE="sync",
+                                                 **dict(fuse, JOB_STEPS="15")))
+    assert r["losses"] == pytest.approx(sync["losses"], rel=1e-6)
