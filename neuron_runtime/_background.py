@@ -459,10 +459,7 @@ def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[s
                 "fp": fingerprint, "env": {k: v for k, v in env.items()
                                            if k.startswith(("TORCH_NEURONX_", "AWS_", "FSSPEC_"))}}
     name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
-    d = os.path.join("/tmp", f"neuron-runtime-{os.getuid()}")
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.stat(d)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise OSError(f"{d} is not a private directory of this user's (owner {st.st_uid}, mode "
-                      f"{oct(st.st_mode & 0o777)}); refusing to use a compile service there")
+    from ._service._client import service_dir
+
+    d = service_dir()
     return os.path.join(d, f"{name}.sock"), env

@@ -27,6 +27,36 @@ log = logging.getLogger(__name__)
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_server.py")
 
 
+def service_dir() -> str:
+    """This user's private directory of compile-service sockets (`/tmp/neuron-runtime-<uid>`, 0o700).
+    Raises OSError if it exists but is not private to this user."""
+    d = os.path.join("/tmp", f"neuron-runtime-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise OSError(f"{d} is not a private directory of this user's (owner {st.st_uid}, mode "
+                      f"{oct(st.st_mode & 0o777)}); refusing to use a compile service there")
+    return d
+
+
+def ask(socket_path: str, msgs: list[dict[str, Any]], timeout: float = 5.0) -> list[dict[str, Any]]:
+    """Send `msgs` to the service at `socket_path` and read one answer each (for `neuron-cache service`)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(socket_path)
+        s.sendall(b"".join(_line(m) for m in msgs))
+        buf, out = b"", []
+        while len(out) < len(msgs):
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf and len(out) < len(msgs):
+                line, buf = buf.split(b"\n", 1)
+                out.append(json.loads(line))
+        return out
+
+
 class ServiceClient:
     def __init__(self, socket_path: str, server_argv: list[str], env: dict[str, str],
                  on_message: Callable[[dict[str, Any]], None], start_timeout: float = 60.0) -> None:

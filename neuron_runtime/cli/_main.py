@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from neuron_runtime.cli import _bundle, _explain, _inspect, _warm
+    from neuron_runtime.cli import _bundle, _explain, _inspect, _service, _warm
 
     p = argparse.ArgumentParser(
         prog="neuron-cache",
@@ -29,6 +29,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _bundle.add_parsers(sub)
     _inspect.add_parsers(sub)
     _explain.add_parsers(sub)
+    _service.add_parsers(sub)
     return p
 
 

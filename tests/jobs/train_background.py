@@ -43,7 +43,7 @@ def main() -> None:
             steps(n)
     bg = _dispatch.runtime().resolver._background
     client = bg.client if bg is not None else None
-    if os.environ.get("JOB_SIGTERM_SELF"):  # the service's pid is known once it answered
+    if bg is not None and bg.jobs:  # compiles were asked for: the service's pid is known once it answered
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (client is None or client.service_pid is None):
             time.sleep(0.05)

@@ -140,7 +140,8 @@ def test_hanging_worker_times_out_and_the_op_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("how", ["exit", "sigterm"])
 def test_job_ending_with_compiles_queued_leaves_no_process_and_whole_entries(tmp_path: Path, how: str) -> None:
     pids = tmp_path / "workers.txt"
-    env = job_env(tmp_path, JOB_STEPS="1", NEURON_TEST_COMPILE_DELAY="*=0.3", NEURON_TEST_WORKER_PIDS=str(pids))
+    # Two steps: a key is asked for on its second call (TORCH_NEURONX_COMPILE_AFTER=2).
+    env = job_env(tmp_path, JOB_STEPS="2", NEURON_TEST_COMPILE_DELAY="*=0.3", NEURON_TEST_WORKER_PIDS=str(pids))
     if how == "sigterm":
         env["JOB_SIGTERM_SELF"] = "1"
     proc, out = start_job(tmp_path, "bg", env)
@@ -187,3 +188,20 @@ def test_fusion_groups_compile_in_the_background_too(tmp_path: Path) -> None:
     sync, _ = run_job(tmp_path, "sync", job_env(tmp_path / "sync", TORCH_NEURONX_COMPILE_MODE="sync",
                                                  **dict(fuse, JOB_STEPS="15")))
     assert r["losses"] == pytest.approx(sync["losses"], rel=1e-6)
+
+
+def test_neuron_cache_service_lists_and_stops_the_service(tmp_path: Path) -> None:
+    env = job_env(tmp_path, JOB_STEPS="2", NEURON_TEST_COMPILE_DELAY="*=1", TORCH_NEURONX_COMPILE_IDLE_TIMEOUT="60")
+    r, _ = run_job(tmp_path, "bg", env)  # exits with ~25 compiles of 1 s queued
+    pid = r["service_pid"]
+
+    def cli(*args: str) -> dict[str, Any]:
+        out = subprocess.run([sys.executable, "-m", "neuron_runtime.cli", "service", *args, "--json"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return {s["pid"]: s for s in json.loads(out.stdout)["services"]}
+
+    mine = cli("status")[pid]
+    assert mine["queued"] + mine["running"] > 0 and mine["clients"] == 0 and mine["workers"] == 1
+    assert cli("stop")[pid]["stopped"] is True
+    assert not alive(pid)
