@@ -73,6 +73,8 @@ class Background:
         self.manifest_seen: dict[str, list[dict[str, Any]]] = {}
         self.dirty_since: float | None = None
         self.republish = False  # the manifest is missing from a tier (write it even if nothing is new)
+        self.manifest_asked = 0  # wait()'s manifest requests, numbered; the thread answers them in order
+        self.manifest_done = 0
         self.client: Any = None
         self.in_process = False  # the service is unavailable: compile here
         self.pid = os.getpid()
@@ -141,7 +143,15 @@ class Background:
                 if left is not None and left <= 0:
                     return False
                 self.cv.wait(left if left is not None else 1.0)
-        self._push(("manifest", True))
+            self.manifest_asked += 1
+            ticket = self.manifest_asked
+        self._push(("manifest", ticket))
+        # The manifest is written when wait() returns (bounded by the fleet timeout: a slow store never
+        # holds the job); a thread that is gone (closed) answers nothing, so the wait is bounded anyway.
+        until = time.monotonic() + self.cfg.fleet_timeout_s
+        with self.cv:
+            while self.manifest_done < ticket and not self.closed and time.monotonic() < until:
+                self.cv.wait(min(1.0, max(0.0, until - time.monotonic())))
         return True
 
     def stats(self) -> dict[str, Any]:
@@ -186,7 +196,7 @@ class Background:
                 while not self.work and not self.closed:
                     self.cv.wait(1.0)
                     if self._quiet():
-                        self.work.append(("manifest", False))
+                        self.work.append(("manifest", 0))
                 if self.closed and not self.work:
                     return
                 kind, arg = self.work.popleft()
@@ -196,7 +206,12 @@ class Background:
                 elif kind == "prefetch":
                     self._prefetch(arg)
                 elif kind == "manifest":
-                    self._write_manifest()
+                    try:
+                        self._write_manifest()
+                    finally:
+                        with self.cv:
+                            self.manifest_done = max(self.manifest_done, arg)
+                            self.cv.notify_all()
                 elif kind == "answer":
                     self._answer(arg)
             except Exception as e:  # noqa: BLE001 - background trouble is a warning, never the user's error
@@ -416,7 +431,7 @@ class Background:
         if self.closed:
             return
         if self.pid == os.getpid() and self.thread is not None:
-            self._push(("manifest", True))
+            self._push(("manifest", 0))
             with self.cv:
                 self.closed = True
                 self.cv.notify_all()

@@ -60,7 +60,8 @@ def device_run(aoti_root: Path) -> Iterator[subprocess.Popen[str]]:
         print(json.dumps(neuron_runtime.stats()))
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
-    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(local))
+    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync",
+               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(local))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=REPO, env=env)
     try:

@@ -280,7 +280,7 @@ def test_fused_group_runs_natively_end_to_end(aoti_root: Path) -> None:
     which the native queue then runs itself (AOTInductor's runner, the Scalar as a 0-d tensor)."""
     child = REPO / "tests" / "runtime" / "fusion_child.py"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
-    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_ENABLE_CONCATENATION="1",
+    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync", TORCH_NEURONX_ENABLE_CONCATENATION="1",
                TORCH_NEURONX_FUSION_MIN_SEEN="2", TORCH_NEURONX_FUSION_MIN_NUMEL="0",
                TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-fusion"))
     r = subprocess.run([sys.executable, str(child), "compiled_group"], capture_output=True, text=True,
@@ -307,7 +307,8 @@ def test_native_runner_passes_scalars_after_tensors(aoti_root: Path) -> None:
                           "native": None if _hostmem.NATIVE is None else _hostmem.NATIVE.executions()}))
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
-    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-pow"))
+    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync",
+               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-pow"))
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900,
                        cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
