@@ -23,5 +23,7 @@ Protocol (client -> service; one JSON object per line, never pickle):
     {"op": "status"}                                    -> queued, running, clients, workers, counts
 "compiled" and "present" mean the entry `found` is in the tiers (the local tier first); "caused" is true
 for the client whose request made the compile (its `stats()["compiles"]` counts it); "busy" means the
-bounded queue (TORCH_NEURONX_COMPILE_QUEUE) is full: the client asks again later.
+bounded queue (TORCH_NEURONX_COMPILE_QUEUE) is full: the client asks again later. A line that is not a
+JSON object with a known "op" gets {"op": "error", "reason": ...} and the connection goes on; a client that
+sends more than 4 MiB without a newline is told so and disconnected (tests/service/test_server.py).
 """

@@ -34,6 +34,10 @@ log = logging.getLogger("neuron_runtime._service")
 
 PROTOCOL = 1
 
+#: The longest line a client may send (a compile request is a few kB): a client that sends more without a
+#: newline is told so and disconnected, instead of growing the service's memory without bound.
+MAX_LINE = 1 << 22
+
 START_TIMEOUT_S = 300.0  # a worker that is not ready by then is killed (and counts as dead on arrival)
 
 #: What a worker's answer may say (see `_worker.py`); everything else is reported as "failed".
@@ -274,6 +278,9 @@ class _Conn:
                     line, buf = buf.split(b"\n", 1)
                     if line.strip():
                         self.server.handle(self, line)
+                if len(buf) > MAX_LINE:
+                    self.send({"op": "error", "reason": f"line longer than {MAX_LINE} bytes: disconnected"})
+                    break
         except OSError:
             pass
         finally:
