@@ -157,6 +157,10 @@ FALLBACK = _Fallback()
 class Runtime:
     """One process's runtime: the executable resolver, fallbacks, counters and fusion."""
 
+    #: Fusion wraps a flushed group's fresh CPU results as neuron tensors through its runtime (so
+    #: `fusion` never imports this module, which imports it).
+    wrap = staticmethod(wrap)
+
     def __init__(self, cfg: _config.Config) -> None:
         self.cfg = cfg
         self.lock = threading.RLock()

@@ -158,8 +158,6 @@ class Fusion:
             if PENDING:  # it runs now, and may read queued results
                 self.flush("unseen_op" if k not in self.sigs else "not_queued")
             return None
-        from ._dispatch import wrap
-
         with self.lock:
             mode = (torch.is_grad_enabled(), torch.is_autocast_enabled(_DEVICE))
             if PENDING and mode != self.mode:
@@ -176,7 +174,7 @@ class Fusion:
             if targets is None:
                 metas = self.outmeta[k] or []
                 dsts = [torch.empty_strided(m[0], m[1], dtype=m[2]) for m in metas]
-                result: Any = [wrap(d) for d in dsts]
+                result: Any = [self.rt.wrap(d) for d in dsts]
                 if not info.returns_list:
                     result = result[0] if len(result) == 1 else tuple(result)
                 self.fresh.update(id(d) for d in dsts)
