@@ -4,7 +4,8 @@ JOB_STEPS (default 3) steps; JOB_WAIT=S: then `wait_for_compiles(S)` and JOB_STE
 times: default 1);
 JOB_OUT=path: write JSON there: per-step losses and host runs, stats(), the service's pid.
 JOB_SIGTERM_SELF=1: after the steps, once the compile service has its queue, send this process SIGTERM
-(it dies without running atexit: mid-compile, as a job killed by its scheduler)."""
+(it dies without running atexit: mid-compile, as a job killed by its scheduler).
+JOB_RAISE=1: after the steps, raise (the job ends on an uncaught exception)."""
 
 import json
 import os
@@ -60,6 +61,8 @@ def main() -> None:
             time.sleep(0.05)
             client = bg.client
         os.kill(os.getpid(), signal.SIGTERM)
+    if os.environ.get("JOB_RAISE"):
+        raise RuntimeError("the job failed after its steps")
 
 
 main()

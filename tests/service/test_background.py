@@ -137,16 +137,20 @@ def test_hanging_worker_times_out_and_the_op_is_refused(tmp_path: Path) -> None:
     assert r["losses"] == pytest.approx(sync_losses(tmp_path, "6"), rel=1e-6)
 
 
-@pytest.mark.parametrize("how", ["exit", "sigterm"])
+@pytest.mark.parametrize("how", ["exit", "exception", "sigterm"])
 def test_job_ending_with_compiles_queued_leaves_no_process_and_whole_entries(tmp_path: Path, how: str) -> None:
     pids = tmp_path / "workers.txt"
     # Two steps: a key is asked for on its second call (TORCH_NEURONX_COMPILE_AFTER=2).
     env = job_env(tmp_path, JOB_STEPS="2", NEURON_TEST_COMPILE_DELAY="*=0.3", NEURON_TEST_WORKER_PIDS=str(pids))
     if how == "sigterm":
         env["JOB_SIGTERM_SELF"] = "1"
+    elif how == "exception":
+        env["JOB_RAISE"] = "1"
     proc, out = start_job(tmp_path, "bg", env)
-    proc.communicate(timeout=300)
-    assert proc.returncode == (0 if how == "exit" else -signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == {"exit": 0, "exception": 1, "sigterm": -signal.SIGTERM}[how], err[-2000:]
+    if how == "exception":
+        assert "the job failed after its steps" in err
     r = json.loads(out.read_text())
     assert r["stats"]["background"]["pending"] > 0  # it left with compiles queued
     # The service finishes what was queued (it lands in the cache for the next run), then idles out.
