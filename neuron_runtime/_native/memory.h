@@ -19,18 +19,19 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/core/Storage.h>
+#include <c10/util/flat_hash_map.h>
 
 #include <malloc.h>
 
 #include <mutex>
-#include <unordered_map>
 
 namespace neuron_memory {
 
 struct Accounting {
   std::mutex mu;
-  // root CPU StorageImpl -> (neuron storages over it, bytes counted for it)
-  std::unordered_map<const c10::StorageImpl*, std::pair<int64_t, int64_t>> roots;
+  // root CPU StorageImpl -> (neuron storages over it, bytes counted for it). Open addressing: an
+  // insert allocates nothing (this runs for every op output).
+  ska::flat_hash_map<const c10::StorageImpl*, std::pair<int64_t, int64_t>> roots;
   c10::CachingAllocator::Stat bytes;   // current / peak / allocated / freed, in bytes
   c10::CachingAllocator::Stat buffers; // the same, in buffers
 
@@ -46,7 +47,7 @@ struct Accounting {
   // A neuron storage now holds `root` (of `nbytes`).
   void acquire(const c10::StorageImpl* root, int64_t nbytes) {
     std::lock_guard<std::mutex> g(mu);
-    auto [it, fresh] = roots.try_emplace(root, 0, nbytes);
+    auto [it, fresh] = roots.emplace(root, std::pair<int64_t, int64_t>(0, nbytes));
     if (fresh) add(nbytes);
     ++it->second.first;
   }
