@@ -23,8 +23,9 @@ def _load() -> None:
     global _loaded
     if _loaded:
         return
-    from . import _autocast, _device, _kernels, _rnn, _shims, _stats
+    from . import _autocast, _conflicts, _device, _kernels, _rnn, _shims, _stats
 
+    _conflicts.check()
     _configure_logging()
     _device.register()
     _kernels.register_all()

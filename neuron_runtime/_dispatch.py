@@ -58,8 +58,9 @@ _alias_op = torch.ops.aten.alias.default
 
 
 def _dropper(i: int) -> Callable[[Any], None]:
-    def drop(_: Any, i: int = i) -> None:
-        _aliases.pop(i, None)
+    # `pop` bound now: at interpreter exit the module's globals may be gone before the last tensors die.
+    def drop(_: Any, i: int = i, pop: Callable[..., Any] = _aliases.pop) -> None:
+        pop(i, None)
 
     return drop
 

@@ -32,6 +32,7 @@ from .. import _config
 
 NAME = "_neuron_native"
 SOURCE = Path(__file__).with_name("fastpath.cpp")
+HEADERS = (Path(__file__).with_name("memory.h"),)  # included by SOURCE: part of the build's tag
 
 
 def enabled() -> bool:
@@ -58,7 +59,7 @@ def _build_dir() -> Path:
 
 def _target(cxx: str) -> Path:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), str(torch.version.git_version).encode(),
+    for part in (SOURCE.read_bytes(), *(p.read_bytes() for p in HEADERS), torch.__version__.encode(), str(torch.version.git_version).encode(),
                  sys.version.encode(), _compiler_identity(cxx).encode(), torch.__file__.encode()):
         h.update(part)
         h.update(b"\0")

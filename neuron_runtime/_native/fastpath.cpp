@@ -27,6 +27,8 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/tensor_memoryformats.h>
 
+#include "memory.h"
+
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -47,22 +49,36 @@ using Stack = torch::jit::Stack;
 // ---------------------------------------------------------------------------------------------------
 void drop_source(void* ctx) { delete static_cast<at::Tensor*>(ctx); }
 
-at::Tensor relabel(const at::Tensor& t, c10::DispatchKey key, c10::Device dev) {
-  const c10::Storage& src = t.storage();
-  auto* keep = new at::Tensor(t);
-  // mutable_data(): a copy-on-write storage gets its own memory first, as a DLPack export does.
-  c10::DataPtr dp(const_cast<c10::Storage&>(src).mutable_data(), keep, &drop_source, dev);
-  c10::Storage st(c10::Storage::use_byte_size_t(), src.nbytes(), std::move(dp), nullptr, false);
+at::Tensor relabel(const at::Tensor& t, c10::DispatchKey key, c10::DataPtr dp) {
+  c10::Storage st(c10::Storage::use_byte_size_t(), t.storage().nbytes(), std::move(dp), nullptr, false);
   auto out = at::detail::make_tensor<c10::TensorImpl>(std::move(st), c10::DispatchKeySet(key), t.dtype());
   out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
   return out;
 }
 
+// mutable_data(): a copy-on-write storage gets its own memory first, as a DLPack export does.
+inline void* data_of(const at::Tensor& t) { return const_cast<c10::Storage&>(t.storage()).mutable_data(); }
+
 const c10::Device kNeuron(c10::DeviceType::PrivateUse1, 0);
 const c10::Device kCpu(c10::DeviceType::CPU);
 
-inline at::Tensor to_neuron(const at::Tensor& t) { return relabel(t, c10::DispatchKey::PrivateUse1, kNeuron); }
-inline at::Tensor to_cpu(const at::Tensor& t) { return relabel(t, c10::DispatchKey::CPU, kCpu); }
+// A neuron tensor's storage counts its host buffer in the device's memory accounting (memory.h) unless
+// the buffer is a CPU view of neuron memory, which another neuron storage counts already.
+at::Tensor to_neuron(const at::Tensor& t) {
+  const c10::Storage& src = t.storage();
+  const c10::DeleterFnPtr d = src.data_ptr().get_deleter();
+  const bool counted = d == &drop_source || d == &neuron_memory::drop_holder || d == &neuron_memory::drop_owned;
+  const c10::StorageImpl* root = counted ? nullptr : src.unsafeGetStorageImpl();
+  void* data = data_of(t);
+  auto* h = new neuron_memory::Holder{t, root};
+  if (root != nullptr) neuron_memory::accounting().acquire(root, static_cast<int64_t>(src.nbytes()));
+  return relabel(t, c10::DispatchKey::PrivateUse1, c10::DataPtr(data, h, &neuron_memory::drop_holder, kNeuron));
+}
+
+at::Tensor to_cpu(const at::Tensor& t) {
+  void* data = data_of(t);
+  return relabel(t, c10::DispatchKey::CPU, c10::DataPtr(data, new at::Tensor(t), &drop_source, kCpu));
+}
 
 const c10::DispatchKeySet kCpuKeys(c10::DispatchKey::CPU);
 
@@ -1298,6 +1314,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("to_cpu", &to_cpu, "A CPU tensor over a neuron tensor's memory");
   m.def("register_view", &register_view);
   m.def("register_device_guard", &register_device_guard, "False if PrivateUse1 already has a guard");
+  m.def("register_allocator", &neuron_memory::register_allocator, "PrivateUse1's allocator (memory.h)");
+  m.def("memory_stats", []() {
+    const auto s = neuron_memory::device_stats();
+    const auto& b = s.allocated_bytes[0];
+    return py::make_tuple(b.current, b.peak, b.allocated, b.freed, s.allocation[0].current);
+  }, "bytes of live neuron memory: (current, peak, allocated, freed, live buffers)");
+  m.def("reset_peak_memory", &neuron_memory::reset_peak);
+  m.def("reset_accumulated_memory", &neuron_memory::reset_accumulated);
+  m.def("empty_cache", &neuron_memory::empty_cache, "give freed host memory back to the OS");
   m.def("register_compute", &register_compute);
   m.def("register_special", &register_special);
   m.def("clear", &clear);
