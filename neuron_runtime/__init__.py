@@ -23,7 +23,7 @@ def _load() -> None:
     global _loaded
     if _loaded:
         return
-    from . import _autocast, _device, _kernels, _rnn, _shims, _stats
+    from . import _autocast, _device, _kernels, _rnn, _shims, _stats, distributed
 
     _configure_logging()
     _device.register()
@@ -32,6 +32,7 @@ def _load() -> None:
     _shims.install()
     _rnn.install()
     _stats.install_exit_hook()
+    distributed.register()
     _loaded = True
     _start_prefetch()
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import _hostmem
+from . import _hostmem, _streams
 
 DEVICE = "neuron"
 
@@ -121,6 +121,7 @@ def _make_module() -> types.ModuleType:
     m._utils = _Utils  # type: ignore[attr-defined]
     m.device = device  # type: ignore[attr-defined]
     m.__neuron_runtime__ = True  # type: ignore[attr-defined]
+    _streams.install(m)
     return m
 
 
@@ -156,7 +157,9 @@ def register() -> None:
     if not hasattr(torch, DEVICE):
         torch._register_device_module(DEVICE, _make_module())
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
-    torch._C._acc.register_python_privateuseone_hook(_Hooks())
+    # The native hooks can also resize storages in place (FSDP2 frees unsharded parameters that way).
+    if _hostmem.NATIVE is None or not _hostmem.NATIVE.register_hooks():
+        torch._C._acc.register_python_privateuseone_hook(_Hooks())
     # The native layer's guard when it is loaded: the Python one calls into Python on every use.
     if _hostmem.NATIVE is None or not _hostmem.NATIVE.register_device_guard():
         torch._C._acc.register_python_privateuseone_device_guard(_Guard())

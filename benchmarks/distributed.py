@@ -1,0 +1,149 @@
+"""torch.distributed on `neuron` vs the same job on CPU tensors through gloo, side by side in one run
+(JSON on stdout, from rank 0).
+
+Launches `--ranks` processes of itself (fresh interpreters, 127.0.0.1). Each rank holds two groups over
+the same processes: the default `neuron` group and a gloo group for CPU tensors. Measured, in interleaved
+rounds (A then B, `--rounds` times), medians reported with their ratio:
+  * all_reduce, all_gather_into_tensor, reduce_scatter_tensor of 1 MiB and 64 MiB float32: algorithm
+    bandwidth (bytes of the full tensor / seconds) — target neuron >= 0.9x CPU;
+  * DDP on the MLP of benchmarks/fusion.py, step time — target neuron <= 1.2x CPU — in three loops:
+    `fixed` (one batch, the loss read at the end), `fresh+item` (a new batch every step, `loss.item()`
+    every step) and `wide` (a 4x wider MLP).
+OMP_NUM_THREADS=1 and one torch thread per rank; compiler tier TORCH_NEURONX_COMPILER (default
+reference, i.e. the runtime's own cost; executables are compiled/loaded before timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCH_NEURONX_COMPILER", "reference")
+
+
+def _launch(args: argparse.Namespace) -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(args.ranks):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-main", *sys.argv[1:]], env=env,
+                                      stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True))
+    out, _ = procs[0].communicate()
+    rc = max(p.wait() for p in procs)
+    sys.stdout.write(out)
+    return rc
+
+
+def _rank(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import neuron_runtime
+
+    torch.set_num_threads(1)
+    dist.init_process_group("neuron")
+    gloo = dist.new_group(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def timed(fn, n: int) -> float:
+        dist.barrier(group=gloo)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+
+    def side_by_side(a, b, n: int) -> tuple[float, float]:
+        a(), b()  # warm
+        ta, tb = [], []
+        for _ in range(args.rounds):
+            ta.append(timed(a, n))
+            tb.append(timed(b, n))
+        return statistics.median(ta), statistics.median(tb)
+
+    result: dict[str, object] = {"ranks": world, "rounds": args.rounds, "compiler": os.environ["TORCH_NEURONX_COMPILER"],
+                                 "transport": "gloo over zero-copy host views", "collectives": {}, "ddp": {}}
+    for mib in (1, 64):
+        numel = mib * 2**20 // 4
+        n = 20 if mib == 1 else 3
+        cpu_x = torch.randn(numel)
+        dev_x = cpu_x.to("neuron")
+        for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+            if op == "all_reduce":
+                fa = lambda: dist.all_reduce(dev_x)  # noqa: E731
+                fb = lambda: dist.all_reduce(cpu_x, group=gloo)  # noqa: E731
+            elif op == "all_gather_into_tensor":
+                part = numel // world
+                dev_o, cpu_o = torch.empty(numel, device="neuron"), torch.empty(numel)
+                fa = lambda: dist.all_gather_into_tensor(dev_o, dev_x[:part])  # noqa: E731
+                fb = lambda: dist.all_gather_into_tensor(cpu_o, cpu_x[:part], group=gloo)  # noqa: E731
+            else:
+                part = numel // world
+                dev_o, cpu_o = torch.empty(part, device="neuron"), torch.empty(part)
+                fa = lambda: dist.reduce_scatter_tensor(dev_o, dev_x)  # noqa: E731
+                fb = lambda: dist.reduce_scatter_tensor(cpu_o, cpu_x, group=gloo)  # noqa: E731
+            ta, tb = side_by_side(fa, fb, n)
+            nbytes = numel * 4
+            result["collectives"][f"{op}_{mib}MiB"] = {  # type: ignore[index]
+                "neuron_GBps": round(nbytes / ta / 1e9, 3), "cpu_GBps": round(nbytes / tb / 1e9, 3),
+                "ratio": round(tb / ta, 3)}
+
+    def mlp(width: int) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.GELU(), torch.nn.Linear(width, width),
+                                   torch.nn.GELU(), torch.nn.Linear(width, 10))
+
+    for loop, width in (("fixed", 128), ("fresh+item", 128), ("wide", 512)):
+        steps = {}
+        for dev, group in (("neuron", None), ("cpu", gloo)):
+            torch.manual_seed(0)
+            m = DDP(mlp(width).to(dev), process_group=group)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+            g = torch.Generator().manual_seed(rank)
+            fixed = (torch.randn(16, 64, generator=g).to(dev), torch.randn(16, 10, generator=g).to(dev))
+
+            def step(m=m, opt=opt, dev=dev, fixed=fixed, g=g) -> None:
+                x, y = fixed if loop != "fresh+item" else (torch.randn(16, 64, generator=g).to(dev),
+                                                           torch.randn(16, 10, generator=g).to(dev))
+                loss = torch.nn.functional.mse_loss(m(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if loop == "fresh+item":
+                    loss.item()
+
+            steps[dev] = step
+        for _ in range(3):
+            steps["neuron"]()
+        neuron_runtime.wait_for_compiles()
+        ta, tb = side_by_side(steps["neuron"], steps["cpu"], 10)
+        result["ddp"][loop] = {"neuron_ms": round(ta * 1e3, 3), "cpu_ms": round(tb * 1e3, 3),  # type: ignore[index]
+                               "ratio": round(ta / tb, 3)}
+    result["stats_collectives"] = neuron_runtime.stats()["collectives"]
+    if rank == 0:
+        print(json.dumps(result, indent=2))
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7, help="interleaved A/B rounds (medians of these)")
+    p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    return _rank(args) if args.rank_main else _launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
