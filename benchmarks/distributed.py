@@ -104,9 +104,11 @@ def _rank(args: argparse.Namespace) -> int:
 
     for loop, width in (("fixed", 128), ("fresh+item", 128), ("wide", 512)):
         steps = {}
-        for dev, group in (("neuron", None), ("cpu", gloo)):
+        for dev, group, wrap in (("neuron", None, True), ("cpu", gloo, True), ("neuron", None, False),
+                                 ("cpu", None, False)):
             torch.manual_seed(0)
-            m = DDP(mlp(width).to(dev), process_group=group)
+            m = mlp(width).to(dev)
+            m = DDP(m, process_group=group) if wrap else m
             opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
             g = torch.Generator().manual_seed(rank)
             fixed = (torch.randn(16, 64, generator=g).to(dev), torch.randn(16, 10, generator=g).to(dev))
@@ -121,13 +123,18 @@ def _rank(args: argparse.Namespace) -> int:
                 if loop == "fresh+item":
                     loss.item()
 
-            steps[dev] = step
+            steps[(dev, wrap)] = step
         for _ in range(3):
-            steps["neuron"]()
+            steps[("neuron", True)]()
+            steps[("neuron", False)]()
         neuron_runtime.wait_for_compiles()
-        ta, tb = side_by_side(steps["neuron"], steps["cpu"], 10)
+        ta, tb = side_by_side(steps[("neuron", True)], steps[("cpu", True)], 10)
+        # The same loop without DDP (each rank alone): how much of the gap is the runtime's per-op cost
+        # rather than communication.
+        la, lb = side_by_side(steps[("neuron", False)], steps[("cpu", False)], 10)
         result["ddp"][loop] = {"neuron_ms": round(ta * 1e3, 3), "cpu_ms": round(tb * 1e3, 3),  # type: ignore[index]
-                               "ratio": round(ta / tb, 3)}
+                               "ratio": round(ta / tb, 3), "no_ddp_neuron_ms": round(la * 1e3, 3),
+                               "no_ddp_cpu_ms": round(lb * 1e3, 3), "no_ddp_ratio": round(la / lb, 3)}
     result["stats_collectives"] = neuron_runtime.stats()["collectives"]
     if rank == 0:
         print(json.dumps(result, indent=2))
@@ -139,7 +146,7 @@ def _rank(args: argparse.Namespace) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=7, help="interleaved A/B rounds (medians of these)")
+    p.add_argument("--rounds", type=int, default=9, help="interleaved A/B rounds (medians of these)")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     return _rank(args) if args.rank_main else _launch(args)

@@ -145,7 +145,7 @@ def _rank_env(env: dict[str, str], rank: int, world: int, port: int) -> dict[str
 
 def test_a_killed_or_hung_rank_fails_the_others_within_the_timeout(tmp_path: Path) -> None:
     """Plain processes, not torchrun (whose agent would tear the survivors down itself)."""
-    timeout = 8
+    timeout = 5
     procs = {}
     for scenario in ("kill", "hang"):
         out = tmp_path / scenario
