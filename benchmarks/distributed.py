@@ -6,6 +6,7 @@ the same processes: the default `neuron` group and a gloo group for CPU tensors.
 rounds (A then B, `--rounds` times), medians reported with their ratio:
   * all_reduce, all_gather_into_tensor, reduce_scatter_tensor of 1 MiB and 64 MiB float32: algorithm
     bandwidth (bytes of the full tensor / seconds) — target neuron >= 0.9x CPU;
+  * the latency of a 4-byte all_reduce (the backend's fixed cost per call);
   * DDP on the MLP of benchmarks/fusion.py, step time — target neuron <= 1.2x CPU — in three loops:
     `fixed` (one batch, the loss read at the end), `fresh+item` (a new batch every step, `loss.item()`
     every step) and `wide` (a 4x wider MLP).
@@ -73,6 +74,11 @@ def _rank(args: argparse.Namespace) -> int:
 
     result: dict[str, object] = {"ranks": world, "rounds": args.rounds, "compiler": os.environ["TORCH_NEURONX_COMPILER"],
                                  "transport": "gloo over zero-copy host views", "collectives": {}, "ddp": {}}
+    # The backend's own cost per call (views, Work, counters) shows on a 4-byte all_reduce's latency.
+    one_dev, one_cpu = torch.ones(1, device="neuron"), torch.ones(1)
+    ta, tb = side_by_side(lambda: dist.all_reduce(one_dev), lambda: dist.all_reduce(one_cpu, group=gloo), 200)
+    result["all_reduce_4B_latency_us"] = {"neuron": round(ta * 1e6, 1), "cpu": round(tb * 1e6, 1),
+                                          "ratio": round(ta / tb, 3)}
     for mib in (1, 64):
         numel = mib * 2**20 // 4
         n = 20 if mib == 1 else 3
