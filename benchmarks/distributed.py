@@ -7,6 +7,8 @@ rounds (A then B, `--rounds` times), medians reported with their ratio:
   * all_reduce, all_gather_into_tensor, reduce_scatter_tensor of 1 MiB and 64 MiB float32: algorithm
     bandwidth (bytes of the full tensor / seconds) — target neuron >= 0.9x CPU;
   * the latency of a 4-byte all_reduce (the backend's fixed cost per call);
+  * 4 cold ranks on one host (empty local tier and fleet store), sync and background compile modes:
+    the compiles of all ranks summed vs the job's unique keys — target equal;
   * DDP on the MLP of benchmarks/fusion.py, step time — target neuron <= 1.2x CPU — in three loops:
     `fixed` (one batch, the loss read at the end), `fresh+item` (a new batch every step, `loss.item()`
     every step) and `wide` (a 4x wider MLP).
@@ -29,20 +31,74 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_NEURONX_COMPILER", "reference")
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _spawn(ranks: int, phase: str, extra_env: dict[str, str]) -> tuple[int, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for r in range(args.ranks):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-main", *sys.argv[1:]], env=env,
+    for r in range(ranks):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra_env)
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-main", phase, *sys.argv[1:]], env=env,
                                       stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True))
     out, _ = procs[0].communicate()
-    rc = max(p.wait() for p in procs)
-    sys.stdout.write(out)
-    return rc
+    return max(p.wait() for p in procs), out
+
+
+def _launch(args: argparse.Namespace) -> int:
+    import tempfile
+
+    rc, out = _spawn(args.ranks, "speed", {})
+    if rc != 0:
+        return rc
+    result = json.loads(out)
+    # 4 cold ranks on one host, in each compile mode: an empty local tier and an empty fleet store.
+    result["cold"] = {}
+    for mode in ("sync", "background"):
+        with tempfile.TemporaryDirectory() as tmp:
+            rc, out = _spawn(4, "cold", {"TORCH_NEURONX_COMPILE_MODE": mode,
+                                         "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": os.path.join(tmp, "local"),
+                                         "TORCH_NEURONX_NEFF_CACHE_DIR": os.path.join(tmp, "fleet"),
+                                         "TORCH_NEURONX_PREFETCH": "0"})
+            if rc != 0:
+                return rc
+            result["cold"][mode] = json.loads(out)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _cold() -> int:
+    """Each of 4 fresh ranks trains the MLP under DDP; the job's compiles (summed) vs its unique keys."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import neuron_runtime
+    from neuron_runtime import _dispatch
+
+    dist.init_process_group("neuron")
+    torch.manual_seed(0)
+    m = DDP(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128),
+                                torch.nn.GELU(), torch.nn.Linear(128, 10)).to("neuron"))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        x, y = torch.randn(16, 64, device="neuron"), torch.randn(16, 10, device="neuron")
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    neuron_runtime.wait_for_compiles(600)
+    mine = {"compiles": neuron_runtime.stats()["compiles"], "keys": sorted(_dispatch.runtime().by_digest),
+            "s": time.perf_counter() - t0}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() == 0:
+        keys = set().union(*(set(e["keys"]) for e in every))
+        print(json.dumps({"ranks": len(every), "compiles_per_rank": [e["compiles"] for e in every],
+                          "fleet_compiles": sum(e["compiles"] for e in every), "unique_keys": len(keys),
+                          "seconds": round(max(e["s"] for e in every), 2)}))
+    dist.destroy_process_group()
+    return 0
 
 
 def _rank(args: argparse.Namespace) -> int:
@@ -143,7 +199,7 @@ def _rank(args: argparse.Namespace) -> int:
                                "no_ddp_cpu_ms": round(lb * 1e3, 3), "no_ddp_ratio": round(la / lb, 3)}
     result["stats_collectives"] = neuron_runtime.stats()["collectives"]
     if rank == 0:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result))
     dist.barrier(group=gloo)
     dist.destroy_process_group()
     return 0
@@ -153,8 +209,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9, help="interleaved A/B rounds (medians of these)")
-    p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank-main", choices=["speed", "cold"], help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.rank_main == "cold":
+        return _cold()
     return _rank(args) if args.rank_main else _launch(args)
 
 

@@ -247,7 +247,10 @@ class NeuronProcessGroup(dist.ProcessGroup):
         mine = torch.tensor([zlib.crc32(f"{name}:{desc}".encode()), len(desc)], dtype=torch.int64)
         every = [torch.empty_like(mine) for _ in range(self.size())]
         assert self._checker is not None
-        self._checker.allgather([every], [mine]).wait()
+        try:
+            self._checker.allgather([every], [mine]).wait()
+        except Exception as e:  # a peer died or hung before the collective itself
+            raise CollectiveError(f"{name} failed on rank {self.rank()} (shape check): {e}") from e
         if any(not torch.equal(e, mine) for e in every):
             raise CollectiveError(
                 f"{name}: ranks passed different tensors (rank {self.rank()}: {desc}); every rank must "
