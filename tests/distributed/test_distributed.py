@@ -176,11 +176,13 @@ def test_a_killed_or_hung_rank_fails_the_others_within_the_timeout(tmp_path: Pat
                     p.wait()
 
 
-@pytest.mark.parametrize("mode", ["sync", "background"])
-def test_cold_ranks_on_one_host_compile_each_key_once(tmp_path: Path, mode: str) -> None:
-    """4 ranks, a cold host (empty local tier) and an empty fleet store: the job's compiles, summed over
-    every rank, equal its unique keys (the per-host single-flight, or the host's compile service)."""
-    env = job_env(tmp_path, DIST_SCENARIO="cold", TORCH_NEURONX_COMPILE_MODE=mode,
+@pytest.mark.parametrize(("mode", "hosts"), [("sync", 2), ("background", 1)])
+def test_cold_ranks_compile_each_key_once(tmp_path: Path, mode: str, hosts: int) -> None:
+    """4 ranks on cold hosts (empty local tiers) and an empty fleet store: the job's compiles, summed over
+    every rank, equal its unique keys. sync: 2 simulated hosts × 2 ranks (the per-host single-flight on
+    each host's local tier, the fleet store's lease between hosts); background: 4 ranks on one host (its
+    one compile service)."""
+    env = job_env(tmp_path, DIST_SCENARIO="cold", TORCH_NEURONX_COMPILE_MODE=mode, DIST_HOSTS=str(hosts),
                   TORCH_NEURONX_NEFF_CACHE_DIR=str(tmp_path / "fleet"))
     ranks = torchrun(tmp_path, 4, env)
     keys = [set(r["keys"]) for r in ranks]
@@ -191,5 +193,7 @@ def test_cold_ranks_on_one_host_compile_each_key_once(tmp_path: Path, mode: str)
     fleet = [p for p in (tmp_path / "fleet").rglob("*") if p.is_file() and not p.name.endswith(".lease")]
     assert len(fleet) >= len(keys[0])
     assert len({r["loss"] for r in ranks}) == 1
+    if hosts > 1:  # every host read what the other compiled from the fleet store
+        assert sum(r["stats"]["hits"]["fleet"] for r in ranks) > 0, [r["stats"]["hits"] for r in ranks]
     if mode == "background":
         assert sum(r["stats"]["host_runs"] for r in ranks) > 0  # the first steps did not wait for compiles

@@ -8,6 +8,7 @@ DIST_OUT=dir: each rank writes dir/rank<N>.json. DIST_SCENARIO picks what runs:
   kill   DDP training; rank 1 SIGKILLs itself mid-step; the others record the error they get
   hang   rank 1 stops calling collectives (sleeps); the others record the error and how long it took
   cold   a few DDP steps (+ wait for background compiles, + one more); stats and the keys used
+         (DIST_HOSTS=N: the ranks spread over N simulated hosts, each with its own local tier)
 """
 
 from __future__ import annotations
@@ -364,6 +365,12 @@ def train_cold(res: dict[str, Any]) -> None:
 
 def main() -> int:
     out = Path(os.environ["DIST_OUT"])
+    hosts = int(os.environ.get("DIST_HOSTS", "1"))
+    if hosts > 1:
+        # Ranks spread over `hosts` simulated hosts: a local tier of their own per host (read when the
+        # runtime starts, at the first neuron op), one fleet store for all.
+        host = int(os.environ["RANK"]) % hosts
+        os.environ["TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"] += f"-host{host}"
     dist.init_process_group(timeout=datetime.timedelta(seconds=TIMEOUT))
     rank = dist.get_rank()
     res: dict[str, Any] = {"rank": rank, "backend": dist.get_backend(),
