@@ -105,6 +105,12 @@ def test_ddp_no_sync_and_unused_parameters(api: list[dict[str, Any]]) -> None:
         assert r["find_unused"]["unused_grad_is_none"] is True
 
 
+def test_ddp_comm_hooks(api: list[dict[str, Any]]) -> None:
+    for r in api:
+        assert r["comm_hooks"]["allreduce"] <= 1e-6
+        assert 0 < r["comm_hooks"]["fp16"] <= 1e-3, r["comm_hooks"]  # gradients travelled as float16
+
+
 def test_fsdp2_losses_equal_one_process(api: list[dict[str, Any]]) -> None:
     for r in api:
         f = r["fsdp2"]

@@ -224,6 +224,22 @@ def check_ddp(res: dict[str, Any]) -> None:
     diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(m.parameters(), refm.parameters()))
     res["no_sync"] = {"max_grad_diff": diff, "all_reduces_inside": between - before}
 
+    # comm hooks: PyTorch's own (Python futures over our Work): plain all-reduce and fp16 compression
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = {}
+    for name, hook in (("allreduce", default_hooks.allreduce_hook), ("fp16", default_hooks.fp16_compress_hook)):
+        torch.manual_seed(0)
+        m = mlp().to(DEV)
+        ddp = DDP(m)
+        ddp.register_comm_hook(None, hook)
+        torch.nn.functional.mse_loss(ddp(shard(x1).to(DEV)), shard(y1).to(DEV)).backward()
+        torch.manual_seed(0)
+        refm = mlp().to(DEV)
+        torch.nn.functional.mse_loss(refm(x1.to(DEV)), y1.to(DEV)).backward()
+        hooks[name] = max((a.grad - b.grad).abs().max().item() for a, b in zip(m.parameters(), refm.parameters()))
+    res["comm_hooks"] = hooks
+
     # find_unused_parameters: a branch that this forward does not use
     class Branchy(torch.nn.Module):
         def __init__(self) -> None:
