@@ -124,6 +124,13 @@ def test_dtensor_ops_on_neuron_shards(api: list[dict[str, Any]]) -> None:
         assert d == {"local_device": "neuron", "local_shape": [4, 6], "matmul_ok": True, "redistribute_ok": True}
 
 
+def test_tensor_parallel_linears_match_one_process(api: list[dict[str, Any]]) -> None:
+    for r in api:
+        t = r["tp"]
+        assert t["weight_shard"] == [16, 16]  # the column-wise Linear's 32 rows, half on each rank
+        assert t["out_diff"] <= 1e-5 and t["grad_diff"] <= 1e-5, t
+
+
 def test_dcp_save_and_load_of_a_sharded_model(api: list[dict[str, Any]]) -> None:
     d = api[0]["dcp"]
     assert d["equal"] is True and d["keys"] == 6

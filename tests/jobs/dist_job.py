@@ -284,6 +284,26 @@ def check_fsdp_dtensor_dcp(res: dict[str, Any], tmp: Path) -> None:
         "redistribute_ok": torch.equal(da.redistribute(mesh, [Replicate()]).to_local().cpu(), a),
     }
 
+    # tensor parallelism: column- then row-wise sharded Linears, forward and backward vs one process
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def tp_mlp() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).to(DEV)
+
+    tp, tref = tp_mlp(), tp_mlp()
+    parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(7)).to(DEV)
+    out, want = tp(x), tref(x)
+    out.sum().backward()
+    want.sum().backward()
+    res["tp"] = {
+        "out_diff": (out.cpu() - want.cpu()).abs().max().item(),
+        "grad_diff": max((tp[i].weight.grad.full_tensor().cpu() - tref[i].weight.grad.cpu()).abs().max().item()
+                         for i in (0, 2)),
+        "weight_shard": list(tp[0].weight.to_local().shape),
+    }
+
     steps = 4
     ref = reference_losses(steps, "adamw")
     torch.manual_seed(0)
