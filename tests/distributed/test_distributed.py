@@ -69,7 +69,7 @@ def test_every_collective_on_neuron_tensors(api: list[dict[str, Any]]) -> None:
         bad = [k for k, ok in r["collectives"].items() if not ok]
         assert not bad, (r["rank"], bad)
         # every ReduceOp, the list/tensor/coalesced variants, p2p, async, objects, barrier
-        assert len(r["collectives"]) == 23 - (0 if "send_recv" in r["collectives"] else 1)
+        assert len(r["collectives"]) == 25
 
 
 def test_collectives_are_counted_in_stats(api: list[dict[str, Any]]) -> None:

@@ -134,6 +134,12 @@ def check_collectives(res: dict[str, Any]) -> None:
     dist.all_to_all(outs, [c.to(DEV) for c in src.chunk(w)])
     ok["all_to_all"] = all(torch.equal(outs[k].cpu(), (torch.arange(2.0 * w) + 100 * k)[2 * r:2 * r + 2])
                            for k in range(w))
+    gl = [torch.empty(4, device=DEV) for _ in range(w)] if r == 0 else None
+    dist.gather(mine.to(DEV), gl, dst=0)
+    ok["gather"] = r != 0 or all(torch.equal(o.cpu(), e) for o, e in zip(gl, every))
+    o = torch.empty(4, device=DEV)
+    dist.scatter(o, [e.to(DEV) for e in every] if r == 1 else None, src=1)
+    ok["scatter"] = torch.equal(o.cpu(), every[r])
     if r == 0:
         dist.send(torch.tensor([7.0, 8.0], device=DEV), dst=1)
         ok["send_recv"] = True
