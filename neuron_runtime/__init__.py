@@ -74,7 +74,7 @@ def _configure_logging() -> None:
 
 def stats() -> dict[str, Any]:
     """Counters of this process as a JSON-serialisable dict (executions, compiles, fallbacks, corrupt,
-    hits per tier, ...)."""
+    hits per tier, collectives run through `neuron` process groups, ...)."""
     from . import _dispatch
 
     return _dispatch.runtime().stats()
