@@ -8,6 +8,8 @@ memory (host memory here; on Trainium this seam would be the Neuron collectives)
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["BACKEND", "CollectiveError", "collective_stats", "register"]
 
 BACKEND = "neuron"
@@ -29,10 +31,15 @@ def register() -> None:
 
     if not dist.is_available():
         return
+    dist.Backend.register_backend(BACKEND, _create, devices=["neuron"])
+    _registered = True
+
+
+def _create(store: Any, rank: int, size: int, timeout: Any) -> Any:
+    """c10d's creator of a `neuron` group (the implementation is imported with the first group)."""
     from . import _group
 
-    dist.Backend.register_backend(BACKEND, _group.create, devices=["neuron"])
-    _registered = True
+    return _group.create(store, rank, size, timeout)
 
 
 def collective_stats() -> dict[str, dict[str, int]]:
