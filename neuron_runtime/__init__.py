@@ -23,7 +23,7 @@ def _load() -> None:
     global _loaded
     if _loaded:
         return
-    from . import _autocast, _conflicts, _device, _kernels, _rnn, _shims, _stats
+    from . import _autocast, _conflicts, _device, _kernels, _rnn, _shims, _stats, distributed
 
     _conflicts.check()
     _configure_logging()
@@ -33,6 +33,7 @@ def _load() -> None:
     _shims.install()
     _rnn.install()
     _stats.install_exit_hook()
+    distributed.register()
     _loaded = True
     _start_prefetch()
 
@@ -74,7 +75,7 @@ def _configure_logging() -> None:
 
 def stats() -> dict[str, Any]:
     """Counters of this process as a JSON-serialisable dict (executions, compiles, fallbacks, corrupt,
-    hits per tier, ...)."""
+    hits per tier, collectives run through `neuron` process groups, ...)."""
     from . import _dispatch
 
     return _dispatch.runtime().stats()

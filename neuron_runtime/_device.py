@@ -80,7 +80,9 @@ def register() -> None:
 
         torch._register_device_module(DEVICE, _torch_neuron)
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
-    torch._C._acc.register_python_privateuseone_hook(_Hooks())
+    # The native hooks can also resize storages in place (FSDP2 frees unsharded parameters that way).
+    if _hostmem.NATIVE is None or not _hostmem.NATIVE.register_hooks():
+        torch._C._acc.register_python_privateuseone_hook(_Hooks())
     # The native layer's guard when it is loaded: the Python one calls into Python on every use.
     if _hostmem.NATIVE is None or not _hostmem.NATIVE.register_device_guard():
         torch._C._acc.register_python_privateuseone_device_guard(_Guard())

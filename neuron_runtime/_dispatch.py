@@ -16,6 +16,7 @@ Everything that is not a hit goes to `Runtime.slow_call`, which does the checks 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import warnings
 import weakref
@@ -220,6 +221,9 @@ class Runtime:
             s["background"] = bg.stats()
         if self.fusion is not None:
             s["fusion"] = self.fusion.counters()
+        group = sys.modules.get("neuron_runtime.distributed._group")
+        if group is not None:
+            s["collectives"] = group.counts()
         return s
 
     # -- executables ------------------------------------------------------------------------------

@@ -17,6 +17,11 @@ Each patch changes behaviour only for `neuron` and says why it exists:
     (`benchmarks/dispatch.py`). The importing thread gets `torch.autograd.set_multithreading_enabled(False)`
     (a thread-local setting): its backward passes run on the calling thread, as CPU's do. Other threads keep
     PyTorch's default; `set_multithreading_enabled(True)` restores it anywhere.
+  * DDP `device_ids`: launchers and trainers (Hugging Face's Trainer under torchrun) pass
+    `device_ids=[LOCAL_RANK]`, an index into the host's devices. Every process owns `neuron:0` (its core;
+    docs/distributed.md), and DDP has no hook through which a device maps a local rank to its index, so
+    for a module on neuron an index equal to the process's LOCAL_RANK (or 0) is mapped to 0; any other
+    index is an error that says so.
 """
 
 from __future__ import annotations
@@ -45,11 +50,50 @@ def _neuron_storage(nbytes: int) -> torch.UntypedStorage:
     return wrap(torch.empty(int(nbytes), dtype=torch.uint8)).untyped_storage()
 
 
+def _own_core(device: Any) -> int:
+    """DDP's `device_ids` entry for a neuron module: this process's core is neuron:0."""
+    import os
+
+    if isinstance(device, int):
+        idx: int | None = device
+    else:
+        d = torch.device(device)
+        idx = d.index if d.type == _device.DEVICE else -1
+    local = os.environ.get("LOCAL_RANK")
+    if idx is None or idx == 0 or (local is not None and local.isdigit() and idx == int(local)):
+        return 0
+    raise ValueError(
+        f"DistributedDataParallel(device_ids=[{device}]) for a module on {_device.DEVICE}: each process owns "
+        f"{_device.DEVICE}:0 only (rank → core: one core per process, see docs/distributed.md); pass "
+        f"device_ids=[0], [LOCAL_RANK] or nothing")
+
+
+def _install_ddp_device_ids() -> None:
+    import functools
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    init = DistributedDataParallel.__init__
+
+    @functools.wraps(init)
+    def ddp_init(self: Any, module: torch.nn.Module, device_ids: Any = None, output_device: Any = None,
+                 *args: Any, **kwargs: Any) -> None:
+        p = next(iter(module.parameters()), None)
+        if device_ids and p is not None and p.device.type == _device.DEVICE:
+            device_ids = [_own_core(d) for d in device_ids]
+            output_device = None if output_device is None else _own_core(output_device)
+        init(self, module, device_ids, output_device, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = ddp_init  # type: ignore[method-assign]
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
     _installed = True
+    if torch.distributed.is_available():
+        _install_ddp_device_ids()
     torch._C._set_multithreading_enabled(False)  # this thread's backward passes: on the caller (see above)
     base_new = torch._C.StorageBase.__new__
 

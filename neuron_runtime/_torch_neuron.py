@@ -21,6 +21,7 @@ import torch
 
 from . import _hostmem
 from ._device import DEVICE, _device_index
+from ._streams import Event, Stream, current_stream, default_stream, stream  # noqa: F401 - FSDP2's stream API
 
 __neuron_runtime__ = True  # _device.owner_of_privateuse1 knows its own module by this
 

@@ -15,6 +15,9 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
@@ -30,6 +33,7 @@
 #include "memory.h"
 
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <algorithm>
@@ -111,6 +115,69 @@ bool register_device_guard() {
   if (c10::impl::hasDeviceGuardImpl(c10::DeviceType::PrivateUse1)) return false;
   static NeuronGuard guard;
   c10::impl::registerDeviceGuard(c10::DeviceType::PrivateUse1, &guard);
+  return true;
+}
+
+// The device's hooks. What the Python hooks cannot do: hand out a "pinned" host allocator, and resize a
+// storage in place, which FSDP2 does to
+// free an unsharded parameter (`untyped_storage().resize_(0)`) and to allocate it again before the next
+// all-gather. The storage gets a new host buffer (the old bytes copied up to the smaller size).
+// "Pinned" host buffers: plain CPU memory, remembered so that `is_pinned()` holds for them (DDP's reducer
+// asserts it of the staging buffer it asked for).
+std::mutex g_pinned_mu;
+std::unordered_set<const void*> g_pinned;
+
+void free_pinned(void* p) {
+  {
+    std::lock_guard<std::mutex> lock(g_pinned_mu);
+    g_pinned.erase(p);
+  }
+  c10::free_cpu(p);
+}
+
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    void* p = n ? c10::alloc_cpu(n) : nullptr;
+    if (p != nullptr) {
+      std::lock_guard<std::mutex> lock(g_pinned_mu);
+      g_pinned.insert(p);
+    }
+    return {p, p, &free_pinned, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+struct NeuronHooks : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  // Host memory needs no pinning: a "pinned" staging buffer (DDP's unused-parameter map) is plain CPU memory.
+  c10::Allocator* getPinnedMemoryAllocator() const override {
+    static PinnedAllocator pinned;
+    return &pinned;
+  }
+  bool isPinnedPtr(const void* data) const override {
+    std::lock_guard<std::mutex> lock(g_pinned_mu);
+    return g_pinned.count(data) > 0;
+  }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+    c10::DataPtr dp = c10::GetCPUAllocator()->allocate(newsize);
+    const size_t keep = std::min(impl->nbytes(), newsize);
+    if (keep > 0 && impl->data() != nullptr) std::memcpy(dp.get(), impl->data(), keep);
+    dp.unsafe_set_device(kNeuron);
+    impl->set_data_ptr_noswap(std::move(dp));
+    impl->set_nbytes(newsize);
+  }
+};
+
+bool register_hooks() {
+  if (at::isPrivateUse1HooksRegistered()) return false;
+  static NeuronHooks hooks;
+  at::RegisterPrivateUse1HooksInterface(&hooks);
   return true;
 }
 
@@ -1323,6 +1390,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reset_peak_memory", &neuron_memory::reset_peak);
   m.def("reset_accumulated_memory", &neuron_memory::reset_accumulated);
   m.def("empty_cache", &neuron_memory::empty_cache, "give freed host memory back to the OS");
+  m.def("register_hooks", &register_hooks, "False if PrivateUse1 already has hooks");
   m.def("register_compute", &register_compute);
   m.def("register_special", &register_special);
   m.def("clear", &clear);
