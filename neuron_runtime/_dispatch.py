@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import _config, _hostmem, _ops, _resolver, _signature
+from . import _config, _hostmem, _ops, _resolver, _signature, _widen
 from .cache import CacheMissError, IntegrityError, TieredCache
 from ._hostmem import to_cpu, to_neuron
 from .compiler import CompileRefused, Compiler, Executable
@@ -163,13 +163,16 @@ class Runtime:
         self.fallback_keys: set[tuple[str, Any]] = set()
         self.fallback_ops: dict[str, str] = {}   # op name -> reason (first seen)
         self.host_ops: set[str] = set()
+        # Keys whose host kernel lacks an input dtype: how they widen (`_widen`), and per op what for stats().
+        self.widened: dict[tuple[str, Any], _widen.Plan] = {}
+        self.widened_ops: dict[str, set[str]] = {}
         FAST[0] = 0
         if _hostmem.NATIVE is not None:
             _hostmem.NATIVE.reset_counters()
         # One dict of counters, shared with the resolver's TieredCache (which adds hits["local"/"fleet"],
         # misses, compiles, corrupt, fleet_errors, writes_skipped, lease_waits).
         self.counts: dict[str, Any] = {"executions": 0, "compiles": 0, "fallbacks": 0, "corrupt": 0,
-                                       "misses": 0, "host_ops": 0, "host_runs": 0, "loads": 0,
+                                       "misses": 0, "host_ops": 0, "host_runs": 0, "loads": 0, "widened": 0,
                                        "hits": {"memory": 0}}
         self.waiting: dict[tuple[str, Any], str] = {}  # (op, key) -> cache key compiling in the background
         self.resolver = _resolver.Resolver(cfg, self.counts, self.lock, on_evict=self._evicted)
@@ -208,6 +211,7 @@ class Runtime:
         hits["memory"] += fast
         s["hits"] = hits
         s["fallback_ops"] = sorted(self.fallback_ops)
+        s["widened_ops"] = {op: sorted(how) for op, how in sorted(self.widened_ops.items())}
         s["compiler"] = self.compiler.name
         s["compile_mode"] = self.cfg.compile_mode
         bg = self.resolver._background
@@ -257,42 +261,45 @@ class Runtime:
         against the op's contract once, then let the hit path serve this key."""
         if self.fusion is not None:
             self.fusion.flush_for(info)  # ops run in stream order: queued ones first
+        plan = self.widened.get((info.qualname, key))
+        if plan is not None:  # the host kernel lacks one of these dtypes: computed wider
+            return self.widen(info, key, values, plan=plan)
         f = info.functional or info
         fvalues = values if f is info else tuple(v for a, v in zip(info.args, values)
                                                  if not (a.mutable and a.kwarg_only))
         host_values = tuple(to_host(v, strict=a.kind != _ops.OPT_TENSORS) for a, v in zip(info.args, values))
         if (info.qualname, key) in self.fallback_keys:
-            return self.host_call(info, values, host_values, fallback=True)
+            return self.host_or_widen(info, key, values, host_values, fallback=True)[0]
         # Background mode: a key whose executable is being compiled runs on the host meanwhile.
         waited = self.waiting.get((info.qualname, key))
         if waited is not None and waited not in self.resolver.by_digest and \
                 self.resolver.background.lookup(waited)[0]:
-            return self.host_call(info, values, host_values, counter="host_runs")
+            return self.host_or_widen(info, key, values, host_values, counter="host_runs")[0]
         try:
             sig = _signature.build(f, fvalues)
             exe, digest = self.resolver.resolve(sig)
         except (CompileRefused, _signature.SignatureError) as e:
-            self.note_fallback(info, key, None, str(e))
-            return self.host_call(info, values, host_values, fallback=True)
+            return self.refused(info, key, None, str(e), values, host_values)
         except (CacheMissError, IntegrityError):
             raise
         except Exception as e:  # noqa: BLE001 - a failed compile is a fallback, not a user error
             log.debug("compile of %s failed", info.qualname, exc_info=True)
-            self.note_fallback(info, key, None, f"compile failed: {type(e).__name__}: {e}")
-            return self.host_call(info, values, host_values, fallback=True)
+            return self.refused(info, key, None, f"compile failed: {type(e).__name__}: {e}", values, host_values)
         if exe is None:
             self.waiting[(info.qualname, key)] = digest
-            return self.host_call(info, values, host_values, counter="host_runs")
+            return self.host_or_widen(info, key, values, host_values, counter="host_runs")[0]
         tensors, scalars = flatten(f, host_values if f is info else
                                    tuple(v for a, v in zip(info.args, host_values)
                                          if not (a.mutable and a.kwarg_only)))
         try:
             outs = exe(tensors, scalars)
         except Exception as e:  # noqa: BLE001
-            # Either the op is invalid for these inputs (the host raises the user's error) or the
-            # executable is broken (the host succeeds, and this key falls back from now on).
-            result = self.host_call(info, values, host_values, fallback=True)
-            self.note_fallback(info, key, sig, f"executable failed: {type(e).__name__}: {e}")
+            # Either the op is invalid for these inputs (the host raises the user's error), or the host
+            # kernel lacks their dtype (computed wider from now on), or the executable is broken (the
+            # host succeeds, and this key falls back from now on).
+            result, widened = self.host_or_widen(info, key, values, host_values, fallback=True)
+            if not widened:
+                self.note_fallback(info, key, sig, f"executable failed: {type(e).__name__}: {e}")
             return result
         with self.lock:
             self.counts["executions"] += 1
@@ -305,6 +312,43 @@ class Runtime:
             del self.waiting[(info.qualname, key)]
             _forget_native()
         return result
+
+    def refused(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any] | None, why: str,
+                values: tuple[Any, ...], host_values: tuple[Any, ...]) -> Any:
+        """The compiler refused the key: the host runs it (a fallback), or, if the host kernel lacks an
+        input's dtype, the op computes wider through executables (not a fallback)."""
+        if not self.cfg.fallback:
+            self.note_fallback(info, key, sig, why)  # raises
+        result, widened = self.host_or_widen(info, key, values, host_values, fallback=True)
+        if not widened:
+            self.note_fallback(info, key, sig, why)
+        return result
+
+    def host_or_widen(self, info: _ops.OpInfo, key: Any, values: tuple[Any, ...], host_values: tuple[Any, ...],
+                      fallback: bool = False, counter: str | None = None) -> tuple[Any, bool]:
+        """`host_call`, unless the host kernel lacks a dtype of the inputs: then the op computes in the
+        nearest wider dtype the host has (`_widen`). Returns (result, widened)."""
+        try:
+            return self.host_call(info, values, host_values, fallback=fallback, counter=counter), False
+        except Exception as e:
+            if not _widen.named_dtypes(e):
+                raise
+            return self.widen(info, key, values, err=e), True
+
+    def widen(self, info: _ops.OpInfo, key: Any, values: tuple[Any, ...], err: BaseException | None = None,
+              plan: _widen.Plan | None = None) -> Any:
+        args = [v for a, v in zip(info.args, values) if not a.kwarg_only]
+        kwargs = {a.name: v for a, v in zip(info.args, values) if a.kwarg_only}
+        out, plan = _widen.run(info.qualname, info.op, args, kwargs, err, plan)
+        if key is not None:
+            self.widened[(info.qualname, key)] = plan
+        self.note_widened(info.qualname, plan.describe())
+        return out
+
+    def note_widened(self, qualname: str, how: str) -> None:
+        with self.lock:
+            self.widened_ops.setdefault(qualname, set()).add(how)
+            self.counts["widened"] += 1
 
     def finish(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
                outs: list[torch.Tensor]) -> Any:
