@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves as pytree_leaves
 
 from . import _config, _hostmem, _ops, _resolver, _signature, _widen
 from .cache import CacheMissError, IntegrityError, TieredCache
@@ -77,6 +78,72 @@ def device_error(t: torch.Tensor) -> RuntimeError:
         f"Expected all tensors to be on the same device, but found at least two devices, {DEVICE}:0 and "
         f"{t.device}!"
     )
+
+
+def out_device_error(t: torch.Tensor) -> RuntimeError:
+    return RuntimeError(f"Expected out tensor to have device {DEVICE}:0, but got {t.device} instead")
+
+
+def alias_mutated(t: torch.Tensor, meta: tuple[Any, ...] | None = None) -> torch.Tensor:
+    """The CPU view of a tensor an op writes into: a CPU tensor there (even a 0-dim one, which may be
+    read as a scalar) is an error, as on CUDA; nothing is written across devices."""
+    if t.device.type != DEVICE:
+        raise device_error(t)
+    return alias_slow(t, meta)
+
+
+def check_mutated(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
+    """Before an op writes: every tensor it mutates is a neuron tensor (out= tensors get CUDA's out= message),
+    and out= tensors follow PyTorch's dtype rules (`check_out_dtype`). True: an out= tensor has another
+    dtype than the result and the op accepts it (then its CPU out= kernel runs, which casts as PyTorch
+    does: `sum(x, out=int64)` sums in int64)."""
+    has_out = False
+    for a, v in zip(info.args, values):
+        if not a.mutable:
+            continue
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor) and t.device.type != DEVICE:
+                raise out_device_error(t) if a.kwarg_only else device_error(t)
+        has_out = has_out or a.kwarg_only
+    return has_out and check_out_dtype(info, values)
+
+
+def _metas(v: Any) -> Any:
+    return [_widen._meta(x) for x in v] if isinstance(v, (list, tuple)) else _widen._meta(v)
+
+
+def check_out_dtype(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
+    """out= of another dtype than the result's: refused as PyTorch refuses it (the op's meta kernel decides:
+    elementwise ops cast when `can_cast` allows, structured ops like mm want the exact dtype, reductions
+    compute in it), with CPU's and CUDA's message. True when accepted with another dtype."""
+    f = info.functional or info
+    outs = [v for a, v in zip(info.args, values) if a.kwarg_only and a.mutable and isinstance(v, torch.Tensor)]
+    try:
+        res = [t.dtype for t in pytree_leaves(f.op(*[_metas(v) for a, v in zip(info.args, values)
+                                                      if not (a.mutable and a.kwarg_only) and not a.kwarg_only],
+                                                   **{a.name: _metas(v) for a, v in zip(info.args, values)
+                                                      if a.kwarg_only and not a.mutable}))
+               if isinstance(t, torch.Tensor)]
+    except Exception:  # noqa: BLE001 - no meta kernel: the copy-back applies can_cast
+        return False
+    if all(o.dtype == r for o, r in zip(outs, res)):
+        return False
+    try:
+        info.op(*[_metas(v) for a, v in zip(info.args, values) if not a.kwarg_only],
+                **{a.name: _metas(v) for a, v in zip(info.args, values) if a.kwarg_only})
+    except RuntimeError as e:
+        if "dtype" not in str(e) and "cast" not in str(e):
+            return False  # the meta kernel refuses something else (data-dependent shapes): the op decides
+        # The message CPU and CUDA give where meta words it differently: TensorIterator's for a result that
+        # cannot be cast; the meta kernel's for ops that want the exact dtype.
+        for o, r in zip(outs, res):
+            if not torch.can_cast(r, o.dtype):
+                raise RuntimeError(f"result type {_dtype_name(r)} can't be cast to the desired output type "
+                                   f"{_dtype_name(o.dtype)}") from None
+        raise RuntimeError(str(e)) from None
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def alias_slow(t: torch.Tensor, meta: tuple[Any, ...] | None = None) -> torch.Tensor:
@@ -261,6 +328,7 @@ class Runtime:
         against the op's contract once, then let the hit path serve this key."""
         if self.fusion is not None:
             self.fusion.flush_for(info)  # ops run in stream order: queued ones first
+        other_out = bool(info.mutable) and check_mutated(info, values)
         plan = self.widened.get((info.qualname, key))
         if plan is not None:  # the host kernel lacks one of these dtypes: computed wider
             return self.widen(info, key, values, plan=plan)
@@ -268,6 +336,8 @@ class Runtime:
         fvalues = values if f is info else tuple(v for a, v in zip(info.args, values)
                                                  if not (a.mutable and a.kwarg_only))
         host_values = tuple(to_host(v, strict=a.kind != _ops.OPT_TENSORS) for a, v in zip(info.args, values))
+        if other_out:  # out= of another dtype: the CPU out= kernel applies PyTorch's rules for it
+            return self.host_or_widen(info, key, values, host_values)[0]
         if (info.qualname, key) in self.fallback_keys:
             return self.host_or_widen(info, key, values, host_values, fallback=True)[0]
         # Background mode: a key whose executable is being compiled runs on the host meanwhile.
@@ -589,7 +659,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
                 "else:",
                 f"    _ze = _zAG(id({n}))",
                 f"    _zc{j} = _ze[0] if _ze is not None and _ze[2] == _zk{j} and _ze[1] == {n}.data_ptr() "
-                f"else _zAS({n}, _zk{j})",
+                f"else {'_zASM' if a.mutable else '_zAS'}({n}, _zk{j})",
             ]
             key_items.append(f"_zk{j}")
             tens.append(f"_zc{j}")
@@ -660,7 +730,8 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         for i, m in enumerate(info.mutable):
             if m in mutated and mutated[m].startswith("_zc"):
                 lines.append(f"    {mutated[m]}.copy_(_zouts[{i}])")
-            else:  # out= argument: may need a resize
+            else:  # out= argument: may need a resize; another dtype than the result's: PyTorch's rules
+                lines.append(f"    if {m}.dtype != _zouts[{i}].dtype: return _zRT().slow_call(_zINFO, {{}}, _zkey, {values})")
                 lines.append(f"    _zCB({m}, _zouts[{i}])")
     if info.kind == "mutating":
         lines.append(ret_line)
@@ -681,7 +752,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     exes: dict[Any, Executable] = {}
     _EXES[info.qualname] = (info, exes)
     scope: dict[str, Any] = {
-        "_zDF": defaults, "_zAG": _alias_get, "_zAS": alias_slow, "_zAL": alias, "_zEG": exes.get,
+        "_zDF": defaults, "_zAG": _alias_get, "_zAS": alias_slow, "_zASM": alias_mutated, "_zAL": alias, "_zEG": exes.get,
         "_zEXES": exes, "_zRT": runtime, "_zINFO": info, "_zW": wrap, "_zN": FAST,
         "_zCB": _copy_back_out, "_zCBA": _copy_back_all, "_zNUM": NUMBERS, "_zFC": torch._foreach_copy_,
         "_zPENDING": _fusion.PENDING, "_zFLUSH": _fusion.flush, "_zSUBMIT": _fusion.submit,
@@ -695,8 +766,18 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
 
 
 def _copy_back_out(target: torch.Tensor, result: torch.Tensor) -> None:
+    if target.device.type != DEVICE:
+        raise out_device_error(target)  # never write across devices
+    if target.dtype != result.dtype and not torch.can_cast(result.dtype, target.dtype):
+        raise RuntimeError(f"result type {_dtype_name(result.dtype)} can't be cast to the desired output type "
+                           f"{_dtype_name(target.dtype)}")
     host = alias(target)
     if host.shape != result.shape:
         target.resize_(result.shape)
         host = alias(target)
     host.copy_(result)
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    """PyTorch's name of a dtype in its messages (`Float`, `Long`)."""
+    return torch.empty(0, dtype=d).type().removeprefix("torch.").removesuffix("Tensor")
