@@ -26,6 +26,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         "accepts and CPU does not; all: every CPU dtype as well (forward only)")
     p.add_argument("--every-dtype", action="append", metavar="PATTERN",
                    help="glob(s) of ops that run every dtype (what --dtypes all does for every op)")
+    p.add_argument("--only-dtypes", metavar="LIST",
+                   help="comma-separated dtype names: the extra dtypes checked are only these (e.g. float16,bfloat16)")
     p.add_argument("--no-cuda-only", dest="cuda_only", action="store_false",
                    help="skip the CUDA-only dtype checks")
     p.add_argument("--cuda-only", dest="cuda_only", action="store_true", help=argparse.SUPPRESS)
@@ -42,6 +44,18 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _dtype_list(text: str | None) -> list[str] | None:
+    if not text:
+        return None
+    import torch
+
+    names = [n.strip().removeprefix("torch.") for n in text.split(",") if n.strip()]
+    bad = [n for n in names if not isinstance(getattr(torch, n, None), torch.dtype)]
+    if bad:
+        raise SystemExit(f"--only-dtypes: not a dtype: {', '.join(bad)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     samples = args.samples or (1 if args.tier == "aoti" else 3)
@@ -52,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.names_file) as f:
             names = [n for n in f.read().splitlines() if n]
         return _runner.worker(names, args.results, samples, timeout, args.cuda_only, args.forward_only,
-                              args.every_dtype)
+                              args.every_dtype, _dtype_list(args.only_dtypes))
     from ._check import op_key
 
     names = _runner.select([op_key(op) for op in _runner.load_op_db()], args.ops)
@@ -70,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     forward_only = args.forward_only or args.tier == "aoti"
     every = ["*"] if args.dtypes == "all" else args.every_dtype
     cov = _runner.sweep(names, args.tier, args.jobs, samples, timeout, args.cuda_only, args.budget, sys.stderr,
-                        args.cache_dir, forward_only, every)
+                        args.cache_dir, forward_only, every, _dtype_list(args.only_dtypes))
     path, md = _runner.write(cov, args.out)
     s = cov["summary"]
     print(f"{s['ops']} ops: {s['compiled']} compiled, {s['fallback']} fallback, {s['mismatch']} mismatch, "

@@ -54,10 +54,11 @@ def _alarm(signum: int, frame: Any) -> None:
 
 
 def worker(names: list[str], results: str, samples: int, timeout_s: float, cuda_only: bool,
-           forward_only: bool = False, every_dtype: list[str] | None = None) -> int:
+           forward_only: bool = False, every_dtype: list[str] | None = None,
+           only_dtypes: list[str] | None = None) -> int:
     """Check `names` in this process, appending one JSON line per op to `results`. `cuda_only`: also the
     dtypes CUDA accepts and CPU does not; `every_dtype`: globs of ops that also run every other CPU dtype
-    (forward only)."""
+    (forward only); `only_dtypes`: of those extra dtypes, only these names."""
     import warnings
 
     warnings.simplefilter("ignore")
@@ -80,14 +81,15 @@ def worker(names: list[str], results: str, samples: int, timeout_s: float, cuda_
                 res = check_op(op, k=samples, deadline_s=timeout_s * 0.5, log=log, forward_only=forward_only)
                 entry = res.as_json()
                 extra: dict[str, Any] = {}
+                wanted = (lambda d: only_dtypes is None or str(d).removeprefix("torch.") in only_dtypes)
                 if name not in SKIP and name in every:
                     for d in cpu_dtypes(op):
-                        if str(d).removeprefix("torch.") == res.dtype:
+                        if str(d).removeprefix("torch.") == res.dtype or not wanted(d):
                             continue
                         r = check_op(op, k=samples, dtype=d, deadline_s=timeout_s * 0.1, log=log, forward_only=True)
                         extra[str(d).removeprefix("torch.")] = _brief(r.as_json())
                 if name not in SKIP and (cuda_only or name in every):
-                    for d in cuda_only_dtypes(op):
+                    for d in filter(wanted, cuda_only_dtypes(op)):
                         r = check_cuda_dtype(op, d, k=samples, log=log)
                         extra[str(d).removeprefix("torch.")] = {**_brief(r.as_json()), "cuda_only": True}
                 if extra:
@@ -129,7 +131,8 @@ def _read(path: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
 
 def sweep(names: list[str], tier: str, jobs: int, samples: int, timeout_s: float, cuda_only: bool,
           budget_s: float | None, progress: TextIO, cache_dir: str | None = None,
-          forward_only: bool = False, every_dtype: list[str] | None = None) -> dict[str, Any]:
+          forward_only: bool = False, every_dtype: list[str] | None = None,
+          only_dtypes: list[str] | None = None) -> dict[str, Any]:
     """Run the sweep over `names` with `jobs` worker processes; returns the coverage map."""
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="neuron-conformance-"))
@@ -162,6 +165,8 @@ def sweep(names: list[str], tier: str, jobs: int, samples: int, timeout_s: float
             cmd.append("--forward-only")
         for pat in every_dtype or ():
             cmd += ["--every-dtype", pat]
+        if only_dtypes:
+            cmd += ["--only-dtypes", ",".join(only_dtypes)]
         # stderr to a file, never a pipe: nobody reads a pipe until the worker exits, and a full one blocks it.
         with open(path.with_suffix(".err"), "wb") as err:
             procs[i] = (subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err), todo, path)
@@ -187,6 +192,7 @@ def sweep(names: list[str], tier: str, jobs: int, samples: int, timeout_s: float
     cov = coverage_map(tier, results, missing, samples, time.monotonic() - t0)
     cov["summary"]["forward_only"] = forward_only
     cov["summary"]["every_dtype"] = list(every_dtype or [])
+    cov["summary"]["only_dtypes"] = list(only_dtypes or [])
     return cov
 
 
