@@ -105,7 +105,7 @@ def worker(names: list[str], results: str, samples: int, timeout_s: float, cuda_
 
 
 def _brief(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in r.items() if k in ("status", "reason", "samples", "executions")}
+    return {k: v for k, v in r.items() if k in ("status", "reason", "samples", "executions", "seconds")}
 
 
 # -- parent ---------------------------------------------------------------------------------------------
