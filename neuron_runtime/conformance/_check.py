@@ -116,7 +116,7 @@ def _to_device(t: Any, device: str) -> Any:
 def _same_layout(t: torch.Tensor, device: str) -> torch.Tensor:
     """`t` on `device` with the same strides and storage offset over a copy of its whole storage, so ops
     that read through the storage (as_strided on a partial view) or care about strides see what CPU saw."""
-    if t.layout != torch.strided or t.is_conj() or t.is_neg() or t.dtype in (torch.complex32,):
+    if t.layout != torch.strided or t.is_conj() or t.is_neg():
         return t.to(device)
     item = t.element_size()
     nbytes = t.untyped_storage().nbytes()
