@@ -307,9 +307,12 @@ def markdown(cov: dict[str, Any]) -> str:
         lines += [f"**Partial:** {s['not_run']} of {s['ops'] + s['not_run']} op_db entries did not run within "
                   "the time budget; the numbers below count only the entries that ran.", ""]
     lines += [
-        f"torch {s['torch']}, {s['samples_per_op']} float32 sample(s) per op ("
+        f"torch {s['torch']}, {s['samples_per_op']} sample(s) per op in its first dtype (float32 where it has one; "
         + ("forward only" if s.get("forward_only") else "forward; backward where the OpInfo supports autograd; "
-           "the in-place and out= variants on the first sample") + "), compared with CPU.", "",
+           "the in-place and out= variants on the first sample") + "), compared with CPU"
+        + ("; every other dtype: " + ("all ops" if s.get("every_dtype") == ["*"] else
+                                     ", ".join(f"`{p}`" for p in s.get("every_dtype", []))) + ", forward only"
+           if s.get("every_dtype") else "") + ".", "",
         "| ops | compiled | fallback | mismatch | error | skipped | match CPU | compiled |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {s['ops']} | {s['compiled']} | {s['fallback']} | {s['mismatch']} | {s['error']} | {s['skipped']} | "
