@@ -11,9 +11,15 @@
     functional factory compiles (its Scalars keyed by value), and its result is copied into `out`.
   * `equal`: eq(a, b).all() through executables, then one value read back (CUDA computes it the same way);
     `_local_scalar_dense` (`.item()`): a one-value device-to-host read.
-  * Accelerator-only dtypes (`_ops.UPCAST`): CUDA kernels accept float16/bfloat16 where the host CPU kernel
-    does not. The inputs are cast to float32, the op runs as usual (compiled), and the outputs are cast back,
-    as a device without a native half kernel would compute it.
+  * Dtypes the host kernel lacks are widened by one rule for every op (`_widen`); two exceptions live here,
+    each where that rule cannot reach:
+      - `nansum` on complex inputs: the CPU kernel refuses complex outright ("nansum on CPU does not support
+        complex inputs"), so no wider dtype helps; computed as CUDA defines it, sum(where(isnan(x), 0, x))
+        (a complex element with a NaN real or imaginary part counts as zero).
+      - the `fft_*` composites (`COMPOSITE_WIDEN`): ATen's `promote_type_fft` accepts float16 only on CUDA
+        and meta devices and raises "Unsupported dtype Half" before any neuron kernel runs; registered at
+        AutogradPrivateUse1, they widen float16 inputs to float32 (the ops underneath then compute through
+        executables) and return the dtype CUDA returns; every other dtype runs the composite unchanged.
 """
 
 from __future__ import annotations
@@ -23,11 +29,8 @@ from typing import Any
 
 import torch
 
-from . import _dispatch, _ops
+from . import _dispatch, _ops, _widen
 from ._dispatch import _copy_back_out, alias, wrap
-
-_LOW = (torch.float16, torch.bfloat16)
-
 
 def efficientzerotensor(size: list[int], *, dtype: Any = None, layout: Any = None, device: Any = None,
                         pin_memory: Any = None) -> torch.Tensor:
@@ -56,46 +59,6 @@ def _lazy_generic(qualname: str) -> Callable[..., Any]:
         if not cell:
             cell.append(_generic(qualname))
         return cell[0](*args, **kwargs)
-
-    return kernel
-
-
-def _upcast(qualname: str) -> Callable[..., Any]:
-    """float16/bfloat16 tensors in, float32 computation, the low dtype out (mutated args written back)."""
-    info = _ops.classify(qualname)
-    mutable = {i for i, a in enumerate(info.args) if a.mutable}
-    names = [a.name for a in info.args]
-    cell: list[Callable[..., Any]] = []
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        if not cell:
-            cell.append(_generic(qualname))
-        inner = cell[0]
-        low = next((t.dtype for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)
-                    and t.dtype in _LOW), None)
-        if low is None:
-            return inner(*args, **kwargs)
-        # 1. Cast the low-precision tensors up (fresh neuron tensors).
-        up_args = [a.float() if isinstance(a, torch.Tensor) and a.dtype == low else a for a in args]
-        up_kwargs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == low else v)
-                     for k, v in kwargs.items()}
-        # 2. Run the op in float32.
-        out = inner(*up_args, **up_kwargs)
-        # 3. Write mutated arguments back, cast the float32 outputs down.
-        for i in mutable:
-            if i < len(args) and up_args[i] is not args[i]:
-                args[i].copy_(up_args[i])
-            elif names[i] in kwargs and up_kwargs[names[i]] is not kwargs[names[i]]:
-                kwargs[names[i]].copy_(up_kwargs[names[i]])
-
-        def down(o: Any) -> Any:
-            if isinstance(o, torch.Tensor) and o.dtype == torch.float32:
-                return o.to(low)
-            return o
-
-        if isinstance(out, (tuple, list)):
-            return type(out)(down(o) for o in out)
-        return down(out)
 
     return kernel
 
@@ -150,6 +113,46 @@ def equal(self: torch.Tensor, other: torch.Tensor) -> bool:
     return bool(torch.eq(self, other).all().item())
 
 
+def _nansum(qualname: str) -> Callable[..., Any]:
+    """nansum; complex inputs as CUDA defines them (see the module docstring)."""
+    cell: list[Callable[..., Any]] = []
+
+    def kernel(self: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
+        if self.is_complex():
+            return torch.sum(torch.where(torch.isnan(self), torch.zeros_like(self), self), dim, keepdim, dtype=dtype)
+        if not cell:
+            cell.append(_generic(qualname))
+        return cell[0](self, dim, keepdim, dtype=dtype)
+
+    return kernel
+
+
+FFT_OPS = ("fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2", "rfftn", "irfftn",
+           "hfft", "ihfft", "hfft2", "ihfft2", "hfftn", "ihfftn")
+
+
+def _composite_widen(name: str) -> Callable[..., Any]:
+    """A CompositeImplicitAutograd op that refuses float16 off CUDA: float16 tensors in, float32 through the
+    composite (differentiable: `.to` is), the dtype CUDA returns out (from the meta kernel)."""
+    op = getattr(torch.ops.aten, name).default
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if not any(isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in args):
+            return op.decompose(*args, **kwargs)
+        up = [a.to(torch.float32) if isinstance(a, torch.Tensor) and a.dtype == torch.float16 else a for a in args]
+        want = _widen.result_dtypes(op, list(args), kwargs)
+        _dispatch.runtime().note_widened(f"aten::{name}", "float16 -> float32")
+        out = op(*up, **kwargs)
+        return out.to(want[0]) if want and out.dtype != want[0] else out
+
+    return kernel
+
+
+# Registered at AutogradPrivateUse1 (`_kernels.register_all`): composites that refuse a dtype before any
+# neuron kernel runs.
+COMPOSITE_WIDEN: dict[str, Callable[..., Any]] = {f"fft_{n}": _composite_widen(f"fft_{n}") for n in FFT_OPS}
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
     **{f"aten::{op}": _factory_out(f) for op, f in _ops.FACTORY_OUT.items()},
     "aten::_local_scalar_dense": local_scalar_dense,
@@ -160,5 +163,5 @@ KERNELS: dict[str, Callable[..., Any]] = {
                                                      "aten::_batch_norm_with_update_functional"),
     "aten::_efficientzerotensor": efficientzerotensor,
     "aten::mode.values": _lazy_generic("aten::mode.values"),
-    **{q: _upcast(q) for q in _ops.UPCAST},
+    "aten::nansum": _nansum("aten::nansum"),
 }

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from . import _config, _hostmem, _ops, _resolver, _signature
+from . import _config, _hostmem, _ops, _resolver, _signature, _widen
 from .cache import CacheMissError, IntegrityError, TieredCache
 from ._hostmem import to_cpu, to_neuron
+from ._writes import _dtype_name, check_mutated, device_error, out_device_error
 from .compiler import CompileRefused, Compiler, Executable
 
 log = logging.getLogger(__name__)
@@ -74,11 +75,12 @@ def wrap(o: torch.Tensor) -> torch.Tensor:
     return n
 
 
-def device_error(t: torch.Tensor) -> RuntimeError:
-    return RuntimeError(
-        f"Expected all tensors to be on the same device, but found at least two devices, {DEVICE}:0 and "
-        f"{t.device}!"
-    )
+def alias_mutated(t: torch.Tensor, meta: tuple[Any, ...] | None = None) -> torch.Tensor:
+    """The CPU view of a tensor an op writes into: a CPU tensor there (even a 0-dim one, which may be
+    read as a scalar) is an error, as on CUDA; nothing is written across devices."""
+    if t.device.type != DEVICE:
+        raise device_error(t)
+    return alias_slow(t, meta)
 
 
 def alias_slow(t: torch.Tensor, meta: tuple[Any, ...] | None = None) -> torch.Tensor:
@@ -169,13 +171,16 @@ class Runtime:
         self.fallback_keys: set[tuple[str, Any]] = set()
         self.fallback_ops: dict[str, str] = {}   # op name -> reason (first seen)
         self.host_ops: set[str] = set()
+        # Keys whose host kernel lacks an input dtype: how they widen (`_widen`), and per op what for stats().
+        self.widened: dict[tuple[str, Any], _widen.Plan] = {}
+        self.widened_ops: dict[str, set[str]] = {}
         FAST[0] = 0
         if _hostmem.NATIVE is not None:
             _hostmem.NATIVE.reset_counters()
         # One dict of counters, shared with the resolver's TieredCache (which adds hits["local"/"fleet"],
         # misses, compiles, corrupt, fleet_errors, writes_skipped, lease_waits).
         self.counts: dict[str, Any] = {"executions": 0, "compiles": 0, "fallbacks": 0, "corrupt": 0,
-                                       "misses": 0, "host_ops": 0, "host_runs": 0, "loads": 0,
+                                       "misses": 0, "host_ops": 0, "host_runs": 0, "loads": 0, "widened": 0,
                                        "hits": {"memory": 0}}
         self.waiting: dict[tuple[str, Any], str] = {}  # (op, key) -> cache key compiling in the background
         self.resolver = _resolver.Resolver(cfg, self.counts, self.lock, on_evict=self._evicted)
@@ -214,6 +219,7 @@ class Runtime:
         hits["memory"] += fast
         s["hits"] = hits
         s["fallback_ops"] = sorted(self.fallback_ops)
+        s["widened_ops"] = {op: sorted(how) for op, how in sorted(self.widened_ops.items())}
         s["compiler"] = self.compiler.name
         s["compile_mode"] = self.cfg.compile_mode
         bg = self.resolver._background
@@ -266,42 +272,48 @@ class Runtime:
         against the op's contract once, then let the hit path serve this key."""
         if self.fusion is not None:
             self.fusion.flush_for(info)  # ops run in stream order: queued ones first
+        other_out = bool(info.mutable) and check_mutated(info, values)
+        plan = self.widened.get((info.qualname, key))
+        if plan is not None:  # the host kernel lacks one of these dtypes: computed wider
+            return self.widen(info, key, values, plan=plan)
         f = info.functional or info
         fvalues = values if f is info else tuple(v for a, v in zip(info.args, values)
                                                  if not (a.mutable and a.kwarg_only))
         host_values = tuple(to_host(v, strict=a.kind != _ops.OPT_TENSORS) for a, v in zip(info.args, values))
+        if other_out:  # out= of another dtype: the CPU out= kernel applies PyTorch's rules for it
+            return self.host_or_widen(info, key, values, host_values)[0]
         if (info.qualname, key) in self.fallback_keys:
-            return self.host_call(info, values, host_values, fallback=True)
+            return self.host_or_widen(info, key, values, host_values, fallback=True)[0]
         # Background mode: a key whose executable is being compiled runs on the host meanwhile.
         waited = self.waiting.get((info.qualname, key))
         if waited is not None and waited not in self.resolver.by_digest and \
                 self.resolver.background.lookup(waited)[0]:
-            return self.host_call(info, values, host_values, counter="host_runs")
+            return self.host_or_widen(info, key, values, host_values, counter="host_runs")[0]
         try:
             sig = _signature.build(f, fvalues)
             exe, digest = self.resolver.resolve(sig)
         except (CompileRefused, _signature.SignatureError) as e:
-            self.note_fallback(info, key, None, str(e))
-            return self.host_call(info, values, host_values, fallback=True)
+            return self.refused(info, key, None, str(e), values, host_values)
         except (CacheMissError, IntegrityError):
             raise
         except Exception as e:  # noqa: BLE001 - a failed compile is a fallback, not a user error
             log.debug("compile of %s failed", info.qualname, exc_info=True)
-            self.note_fallback(info, key, None, f"compile failed: {type(e).__name__}: {e}")
-            return self.host_call(info, values, host_values, fallback=True)
+            return self.refused(info, key, None, f"compile failed: {type(e).__name__}: {e}", values, host_values)
         if exe is None:
             self.waiting[(info.qualname, key)] = digest
-            return self.host_call(info, values, host_values, counter="host_runs")
+            return self.host_or_widen(info, key, values, host_values, counter="host_runs")[0]
         tensors, scalars = flatten(f, host_values if f is info else
                                    tuple(v for a, v in zip(info.args, host_values)
                                          if not (a.mutable and a.kwarg_only)))
         try:
             outs = exe(tensors, scalars)
         except Exception as e:  # noqa: BLE001
-            # Either the op is invalid for these inputs (the host raises the user's error) or the
-            # executable is broken (the host succeeds, and this key falls back from now on).
-            result = self.host_call(info, values, host_values, fallback=True)
-            self.note_fallback(info, key, sig, f"executable failed: {type(e).__name__}: {e}")
+            # Either the op is invalid for these inputs (the host raises the user's error), or the host
+            # kernel lacks their dtype (computed wider from now on), or the executable is broken (the
+            # host succeeds, and this key falls back from now on).
+            result, widened = self.host_or_widen(info, key, values, host_values, fallback=True)
+            if not widened:
+                self.note_fallback(info, key, sig, f"executable failed: {type(e).__name__}: {e}")
             return result
         with self.lock:
             self.counts["executions"] += 1
@@ -314,6 +326,43 @@ class Runtime:
             del self.waiting[(info.qualname, key)]
             _forget_native()
         return result
+
+    def refused(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any] | None, why: str,
+                values: tuple[Any, ...], host_values: tuple[Any, ...]) -> Any:
+        """The compiler refused the key: the host runs it (a fallback), or, if the host kernel lacks an
+        input's dtype, the op computes wider through executables (not a fallback)."""
+        if not self.cfg.fallback:
+            self.note_fallback(info, key, sig, why)  # raises
+        result, widened = self.host_or_widen(info, key, values, host_values, fallback=True)
+        if not widened:
+            self.note_fallback(info, key, sig, why)
+        return result
+
+    def host_or_widen(self, info: _ops.OpInfo, key: Any, values: tuple[Any, ...], host_values: tuple[Any, ...],
+                      fallback: bool = False, counter: str | None = None) -> tuple[Any, bool]:
+        """`host_call`, unless the host kernel lacks a dtype of the inputs: then the op computes in the
+        nearest wider dtype the host has (`_widen`). Returns (result, widened)."""
+        try:
+            return self.host_call(info, values, host_values, fallback=fallback, counter=counter), False
+        except Exception as e:
+            if not _widen.named_dtypes(e):
+                raise
+            return self.widen(info, key, values, err=e), True
+
+    def widen(self, info: _ops.OpInfo, key: Any, values: tuple[Any, ...], err: BaseException | None = None,
+              plan: _widen.Plan | None = None) -> Any:
+        args = [v for a, v in zip(info.args, values) if not a.kwarg_only]
+        kwargs = {a.name: v for a, v in zip(info.args, values) if a.kwarg_only}
+        out, plan = _widen.run(info.qualname, info.op, args, kwargs, err, plan)
+        if key is not None:
+            self.widened[(info.qualname, key)] = plan
+        self.note_widened(info.qualname, plan.describe())
+        return out
+
+    def note_widened(self, qualname: str, how: str) -> None:
+        with self.lock:
+            self.widened_ops.setdefault(qualname, set()).add(how)
+            self.counts["widened"] += 1
 
     def finish(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
                outs: list[torch.Tensor]) -> Any:
@@ -554,7 +603,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
                 "else:",
                 f"    _ze = _zAG(id({n}))",
                 f"    _zc{j} = _ze[0] if _ze is not None and _ze[2] == _zk{j} and _ze[1] == {n}.data_ptr() "
-                f"else _zAS({n}, _zk{j})",
+                f"else {'_zASM' if a.mutable else '_zAS'}({n}, _zk{j})",
             ]
             key_items.append(f"_zk{j}")
             tens.append(f"_zc{j}")
@@ -625,7 +674,8 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         for i, m in enumerate(info.mutable):
             if m in mutated and mutated[m].startswith("_zc"):
                 lines.append(f"    {mutated[m]}.copy_(_zouts[{i}])")
-            else:  # out= argument: may need a resize
+            else:  # out= argument: may need a resize; another dtype than the result's: PyTorch's rules
+                lines.append(f"    if {m}.dtype != _zouts[{i}].dtype: return _zRT().slow_call(_zINFO, {{}}, _zkey, {values})")
                 lines.append(f"    _zCB({m}, _zouts[{i}])")
     if info.kind == "mutating":
         lines.append(ret_line)
@@ -646,7 +696,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     exes: dict[Any, Executable] = {}
     _EXES[info.qualname] = (info, exes)
     scope: dict[str, Any] = {
-        "_zDF": defaults, "_zAG": _alias_get, "_zAS": alias_slow, "_zAL": alias, "_zEG": exes.get,
+        "_zDF": defaults, "_zAG": _alias_get, "_zAS": alias_slow, "_zASM": alias_mutated, "_zAL": alias, "_zEG": exes.get,
         "_zEXES": exes, "_zRT": runtime, "_zINFO": info, "_zW": wrap, "_zN": FAST,
         "_zCB": _copy_back_out, "_zCBA": _copy_back_all, "_zNUM": NUMBERS, "_zFC": torch._foreach_copy_,
         "_zPENDING": _fusion.PENDING, "_zFLUSH": _fusion.flush, "_zSUBMIT": _fusion.submit,
@@ -660,8 +710,14 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
 
 
 def _copy_back_out(target: torch.Tensor, result: torch.Tensor) -> None:
+    if target.device.type != DEVICE:
+        raise out_device_error(target)  # never write across devices
+    if target.dtype != result.dtype and not torch.can_cast(result.dtype, target.dtype):
+        raise RuntimeError(f"result type {_dtype_name(result.dtype)} can't be cast to the desired output type "
+                           f"{_dtype_name(target.dtype)}")
     host = alias(target)
     if host.shape != result.shape:
         target.resize_(result.shape)
         host = alias(target)
     host.copy_(result)
+

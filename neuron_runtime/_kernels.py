@@ -39,7 +39,7 @@ def _host_kernel(info: _ops.OpInfo) -> Callable[..., Any]:
         rt = _dispatch.runtime()
         rt.host_ops.add(info.qualname)
         host_values = tuple(_dispatch.to_host(v) for v in values)
-        return rt.host_call(info, tuple(values), host_values)
+        return rt.host_or_widen(info, None, tuple(values), host_values)[0]
 
     return kernel
 
@@ -93,6 +93,10 @@ def register_all() -> int:
     for op in ("_copy_from", "_copy_from_and_resize"):
         for key in ("Conjugate", "Negative"):
             lib.impl(op, torch.library.fallthrough_kernel, key)
+    from ._decomp import COMPOSITE_WIDEN
+
+    for op, kernel in COMPOSITE_WIDEN.items():
+        lib.impl(op, kernel, "AutogradPrivateUse1")
     _library = lib
     return len(names)
 

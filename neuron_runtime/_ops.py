@@ -82,21 +82,6 @@ SPECIAL = {
                       "(_decomp.py)" for op in FACTORY_OUT},
 }
 
-# Accelerator-only dtypes: CUDA kernels accept float16/bfloat16, the host CPU kernel does not. On neuron these
-# compute in float32 and cast the outputs back (`_decomp._upcast`), so code that takes a device-only half path
-# still gets the right answer. Found by the op_db sweep (`python -m neuron_runtime.conformance`).
-UPCAST = {
-    "aten::avg_pool3d": "CPU kernel has no float16/bfloat16 (avg_pool3d_out_frame)",
-    "aten::avg_pool3d_backward": "CPU kernel has no float16/bfloat16",
-    "aten::_upsample_bilinear2d_aa": "CPU kernel has no float16/bfloat16 (compute_index_ranges_weights)",
-    "aten::_upsample_bilinear2d_aa_backward": "CPU kernel has no float16/bfloat16",
-    "aten::multi_margin_loss": "CPU kernel has no float16/bfloat16 (multi_margin_loss_cpu_kernel)",
-    "aten::multi_margin_loss_backward": "CPU kernel has no float16/bfloat16",
-    "aten::multilabel_margin_loss_forward": "CPU kernel has no float16/bfloat16",
-    "aten::multilabel_margin_loss_backward": "CPU kernel has no float16/bfloat16",
-    "aten::rrelu_with_noise": "CPU kernel has no float16 (rrelu_with_noise_out_cpu)",
-}
-
 # In-place ops whose functional variant has another overload name than the rule in `_find_functional` finds.
 FUNCTIONAL = {
     "aten::pow_.Scalar": "aten::pow.Tensor_Scalar",

@@ -57,6 +57,10 @@ at::Tensor relabel(const at::Tensor& t, c10::DispatchKey key, c10::DataPtr dp) {
   c10::Storage st(c10::Storage::use_byte_size_t(), t.storage().nbytes(), std::move(dp), nullptr, false);
   auto out = at::detail::make_tensor<c10::TensorImpl>(std::move(st), c10::DispatchKeySet(key), t.dtype());
   out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  // The lazy conjugate and negative bits are part of what the values are (a CPU kernel may return a
+  // conjugated view, e.g. linalg_lu_solve with adjoint=True, left=False): keep them.
+  if (t.is_conj()) out._set_conj(true);
+  if (t.is_neg()) out._set_neg(true);
   return out;
 }
 

@@ -5,7 +5,7 @@ coverage map (JSON + markdown). Needs PyTorch's test utilities (`expecttest`, fr
 
 from __future__ import annotations
 
-from ._check import Result, check_accel_dtype, check_op, op_key
+from ._check import Result, check_cuda_dtype, check_op, op_key
 from ._runner import coverage_map, markdown, sweep
 
-__all__ = ["Result", "check_accel_dtype", "check_op", "coverage_map", "markdown", "op_key", "sweep"]
+__all__ = ["Result", "check_cuda_dtype", "check_op", "coverage_map", "markdown", "op_key", "sweep"]

@@ -21,9 +21,16 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="seconds per op before it counts as an error (default 120 reference, 900 aoti)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole sweep; ops not reached are listed as not run (partial)")
-    p.add_argument("--no-accel", dest="accel", action="store_false",
-                   help="skip the accelerator-only (half precision) dtype checks")
-    p.add_argument("--accel", dest="accel", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dtypes", choices=("default", "all"), default="default",
+                   help="default: each op's first CPU dtype (float32 where it has one) and the dtypes CUDA "
+                        "accepts and CPU does not; all: every CPU dtype as well (forward only)")
+    p.add_argument("--every-dtype", action="append", metavar="PATTERN",
+                   help="glob(s) of ops that run every dtype (what --dtypes all does for every op)")
+    p.add_argument("--only-dtypes", metavar="LIST",
+                   help="comma-separated dtype names: the extra dtypes checked are only these (e.g. float16,bfloat16)")
+    p.add_argument("--no-cuda-only", dest="cuda_only", action="store_false",
+                   help="skip the CUDA-only dtype checks")
+    p.add_argument("--cuda-only", dest="cuda_only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--forward-only", action="store_true",
                    help="forward only: no backward, in-place or out= checks (default on aoti)")
     p.add_argument("--cache-dir", help="local executable cache (default: a fresh temporary directory)")
@@ -37,6 +44,18 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _dtype_list(text: str | None) -> list[str] | None:
+    if not text:
+        return None
+    import torch
+
+    names = [n.strip().removeprefix("torch.") for n in text.split(",") if n.strip()]
+    bad = [n for n in names if not isinstance(getattr(torch, n, None), torch.dtype)]
+    if bad:
+        raise SystemExit(f"--only-dtypes: not a dtype: {', '.join(bad)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     samples = args.samples or (1 if args.tier == "aoti" else 3)
@@ -46,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         with open(args.names_file) as f:
             names = [n for n in f.read().splitlines() if n]
-        return _runner.worker(names, args.results, samples, timeout, args.accel, args.forward_only)
+        return _runner.worker(names, args.results, samples, timeout, args.cuda_only, args.forward_only,
+                              args.every_dtype, _dtype_list(args.only_dtypes))
     from ._check import op_key
 
     names = _runner.select([op_key(op) for op in _runner.load_op_db()], args.ops)
@@ -62,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"neuron conformance: {len(names)} ops, tier {args.tier}, {args.jobs} jobs, {samples} sample(s)",
           file=sys.stderr)
     forward_only = args.forward_only or args.tier == "aoti"
-    cov = _runner.sweep(names, args.tier, args.jobs, samples, timeout, args.accel and not forward_only,
-                        args.budget, sys.stderr, args.cache_dir, forward_only)
+    every = ["*"] if args.dtypes == "all" else args.every_dtype
+    cov = _runner.sweep(names, args.tier, args.jobs, samples, timeout, args.cuda_only, args.budget, sys.stderr,
+                        args.cache_dir, forward_only, every, _dtype_list(args.only_dtypes))
     path, md = _runner.write(cov, args.out)
     s = cov["summary"]
     print(f"{s['ops']} ops: {s['compiled']} compiled, {s['fallback']} fallback, {s['mismatch']} mismatch, "

@@ -53,18 +53,22 @@ def _alarm(signum: int, frame: Any) -> None:
     raise OpTimeout("the op's checks ran past the per-op time limit")
 
 
-def worker(names: list[str], results: str, samples: int, timeout_s: float, accel: bool,
-           forward_only: bool = False) -> int:
-    """Check `names` in this process, appending one JSON line per op to `results`."""
+def worker(names: list[str], results: str, samples: int, timeout_s: float, cuda_only: bool,
+           forward_only: bool = False, every_dtype: list[str] | None = None,
+           only_dtypes: list[str] | None = None) -> int:
+    """Check `names` in this process, appending one JSON line per op to `results`. `cuda_only`: also the
+    dtypes CUDA accepts and CPU does not; `every_dtype`: globs of ops that also run every other CPU dtype
+    (forward only); `only_dtypes`: of those extra dtypes, only these names."""
     import warnings
 
     warnings.simplefilter("ignore")
     import torch  # noqa: F401 - registers the neuron device
 
-    from ._check import _HostLog, check_accel_dtype, check_op, op_key
-    from ._skips import SKIP, accel_dtypes
+    from ._check import _HostLog, check_cuda_dtype, check_op, op_key
+    from ._skips import SKIP, cpu_dtypes, cuda_only_dtypes
 
     by_name = {op_key(op): op for op in load_op_db()}
+    every = set(select(names, every_dtype)) if every_dtype else set()
     log = _HostLog()
     signal.signal(signal.SIGALRM, _alarm)
     with open(results, "a", buffering=1) as f:
@@ -76,14 +80,20 @@ def worker(names: list[str], results: str, samples: int, timeout_s: float, accel
             try:
                 res = check_op(op, k=samples, deadline_s=timeout_s * 0.5, log=log, forward_only=forward_only)
                 entry = res.as_json()
-                if accel and name not in SKIP:
-                    extra = {}
-                    for d in accel_dtypes(op):
-                        r = check_accel_dtype(op, d, k=1, log=log)
-                        extra[str(d).removeprefix("torch.")] = {k: v for k, v in r.as_json().items()
-                                                               if k in ("status", "reason", "samples")}
-                    if extra:
-                        entry["accel_dtypes"] = extra
+                extra: dict[str, Any] = {}
+                wanted = (lambda d: only_dtypes is None or str(d).removeprefix("torch.") in only_dtypes)
+                if name not in SKIP and name in every:
+                    for d in cpu_dtypes(op):
+                        if str(d).removeprefix("torch.") == res.dtype or not wanted(d):
+                            continue
+                        r = check_op(op, k=samples, dtype=d, deadline_s=timeout_s * 0.1, log=log, forward_only=True)
+                        extra[str(d).removeprefix("torch.")] = _brief(r.as_json())
+                if name not in SKIP and (cuda_only or name in every):
+                    for d in filter(wanted, cuda_only_dtypes(op)):
+                        r = check_cuda_dtype(op, d, k=samples, log=log)
+                        extra[str(d).removeprefix("torch.")] = {**_brief(r.as_json()), "cuda_only": True}
+                if extra:
+                    entry["dtypes"] = extra
             except OpTimeout as e:
                 entry = {"status": "error", "reason": f"timeout: {e} ({timeout_s:g} s)"}
             finally:
@@ -92,6 +102,10 @@ def worker(names: list[str], results: str, samples: int, timeout_s: float, accel
                 entry = {"status": "error", "reason": f"timeout: the op's checks ran past {timeout_s:g} s"}
             f.write(json.dumps({"op": name, **entry}) + "\n")
     return 0
+
+
+def _brief(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in r.items() if k in ("status", "reason", "samples", "executions", "seconds")}
 
 
 # -- parent ---------------------------------------------------------------------------------------------
@@ -115,15 +129,21 @@ def _read(path: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
     return done, started
 
 
-def sweep(names: list[str], tier: str, jobs: int, samples: int, timeout_s: float, accel: bool,
+def sweep(names: list[str], tier: str, jobs: int, samples: int, timeout_s: float, cuda_only: bool,
           budget_s: float | None, progress: TextIO, cache_dir: str | None = None,
-          forward_only: bool = False) -> dict[str, Any]:
+          forward_only: bool = False, every_dtype: list[str] | None = None,
+          only_dtypes: list[str] | None = None) -> dict[str, Any]:
     """Run the sweep over `names` with `jobs` worker processes; returns the coverage map."""
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="neuron-conformance-"))
     env = dict(os.environ)
     env["TORCH_NEURONX_COMPILER"] = tier
     env["TORCH_NEURONX_FALLBACK"] = "1"
+    # Every op compiles before it runs: the sweep says what runs through executables, and a background
+    # compile would run the first calls on the host.
+    env["TORCH_NEURONX_COMPILE_MODE"] = "sync"
+    env["TORCH_NEURONX_COMPILE_AFTER"] = "1"
+    env["TORCH_NEURONX_PREFETCH"] = "0"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"] = cache_dir or str(work / "cache")
     env.pop("TORCH_NEURONX_CACHE_MODE", None)
@@ -140,9 +160,13 @@ def sweep(names: list[str], tier: str, jobs: int, samples: int, timeout_s: float
         lst.write_text("\n".join(todo))
         cmd = [sys.executable, "-m", "neuron_runtime.conformance", "--worker", "--names-file", str(lst),
                "--results", str(path), "--samples", str(samples), "--timeout", str(timeout_s)]
-        cmd.append("--accel" if accel else "--no-accel")
+        cmd.append("--cuda-only" if cuda_only else "--no-cuda-only")
         if forward_only:
             cmd.append("--forward-only")
+        for pat in every_dtype or ():
+            cmd += ["--every-dtype", pat]
+        if only_dtypes:
+            cmd += ["--only-dtypes", ",".join(only_dtypes)]
         # stderr to a file, never a pipe: nobody reads a pipe until the worker exits, and a full one blocks it.
         with open(path.with_suffix(".err"), "wb") as err:
             procs[i] = (subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err), todo, path)
@@ -167,6 +191,8 @@ def sweep(names: list[str], tier: str, jobs: int, samples: int, timeout_s: float
     missing = [n for n in names if n not in results]
     cov = coverage_map(tier, results, missing, samples, time.monotonic() - t0)
     cov["summary"]["forward_only"] = forward_only
+    cov["summary"]["every_dtype"] = list(every_dtype or [])
+    cov["summary"]["only_dtypes"] = list(only_dtypes or [])
     return cov
 
 
@@ -217,7 +243,6 @@ def coverage_map(tier: str, results: dict[str, dict[str, Any]], missing: list[st
     total = len(ops)
     matched = counts["compiled"] + counts["fallback"]
     by_design = sum(1 for r in ops.values() if r["status"] == "fallback" and not r.get("fallback_ops"))
-    accel = [(n, d, r) for n, o in ops.items() for d, r in o.get("accel_dtypes", {}).items()]
     summary: dict[str, Any] = {
         "ops": total,
         **counts,
@@ -228,8 +253,7 @@ def coverage_map(tier: str, results: dict[str, dict[str, Any]], missing: list[st
         "compiled_pct": round(100.0 * counts["compiled"] / total, 2) if total else 0.0,
         "fallback_host_by_design": by_design,
         "fallback_compiler_refused": counts["fallback"] - by_design,
-        "accel_dtype_checks": len(accel),
-        "accel_dtype_matched": sum(1 for _, _, r in accel if r["status"] in ("compiled", "fallback")),
+        **dtype_summary(ops),
         "samples_per_op": samples,
         "partial": bool(missing),
         "not_run": len(missing),
@@ -242,6 +266,40 @@ def coverage_map(tier: str, results: dict[str, dict[str, Any]], missing: list[st
     return out
 
 
+FAMILIES = {
+    "float32": ("float32",), "float64": ("float64",), "half (float16, bfloat16)": ("float16", "bfloat16"),
+    "complex (complex32, complex64, complex128)": ("complex32", "complex64", "complex128"),
+    "integer": ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"), "bool": ("bool",),
+}
+_MATCH = ("compiled", "fallback")
+
+
+def _tally(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    n = len(rs)
+    c = {s: sum(1 for r in rs if r["status"] == s) for s in STATUSES}
+    m = c["compiled"] + c["fallback"]
+    return {"checks": n, "matched": m, **c,
+            "matched_pct": round(100.0 * m / n, 2) if n else 0.0,
+            "matched_pct_of_run": round(100.0 * m / (n - c["skipped"]), 2) if n - c["skipped"] else 0.0}
+
+
+def dtype_summary(ops: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per dtype and dtype family: every (op, dtype) check (the op's own dtype, and its `dtypes` entries);
+    and the CUDA-only pairs on their own."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    cuda_only: list[dict[str, Any]] = []
+    for r in ops.values():
+        if r.get("dtype"):
+            by.setdefault(r["dtype"], []).append(r)
+        for d, x in r.get("dtypes", {}).items():
+            by.setdefault(d, []).append(x)
+            if x.get("cuda_only"):
+                cuda_only.append(x)
+    fams = {f: _tally([r for d in ds for r in by.get(d, [])]) for f, ds in FAMILIES.items()}
+    return {"dtypes": {d: _tally(by[d]) for d in sorted(by)}, "families": {f: t for f, t in fams.items() if t["checks"]},
+            "cuda_only": _tally(cuda_only)}
+
+
 def markdown(cov: dict[str, Any]) -> str:
     s = cov["summary"]
     lines = [f"# op_db coverage on `neuron`, tier `{cov['tier']}`", ""]
@@ -249,9 +307,12 @@ def markdown(cov: dict[str, Any]) -> str:
         lines += [f"**Partial:** {s['not_run']} of {s['ops'] + s['not_run']} op_db entries did not run within "
                   "the time budget; the numbers below count only the entries that ran.", ""]
     lines += [
-        f"torch {s['torch']}, {s['samples_per_op']} float32 sample(s) per op ("
+        f"torch {s['torch']}, {s['samples_per_op']} sample(s) per op in its first dtype (float32 where it has one; "
         + ("forward only" if s.get("forward_only") else "forward; backward where the OpInfo supports autograd; "
-           "the in-place and out= variants on the first sample") + "), compared with CPU.", "",
+           "the in-place and out= variants on the first sample") + "), compared with CPU"
+        + ("; every other dtype: " + ("all ops" if s.get("every_dtype") == ["*"] else
+                                     ", ".join(f"`{p}`" for p in s.get("every_dtype", []))) + ", forward only"
+           if s.get("every_dtype") else "") + ".", "",
         "| ops | compiled | fallback | mismatch | error | skipped | match CPU | compiled |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {s['ops']} | {s['compiled']} | {s['fallback']} | {s['mismatch']} | {s['error']} | {s['skipped']} | "
@@ -259,10 +320,26 @@ def markdown(cov: dict[str, Any]) -> str:
         f"`fallback`: {s['fallback_host_by_design']} ops ran an aten op on the host by design (random ops, "
         f"data-dependent shapes, ...), {s['fallback_compiler_refused']} because the compiler refused one.", "",
     ]
-    if s["accel_dtype_checks"]:
-        lines += [f"Accelerator-only dtypes (half precision that CUDA accepts and the op's CPU entry does not "
-                  f"list): {s['accel_dtype_matched']} of {s['accel_dtype_checks']} checks match the float32 "
-                  "result cast back.", ""]
+    if s.get("cuda_only", {}).get("checks"):
+        c = s["cuda_only"]
+        lines += [f"CUDA-only dtypes (dtypes CUDA's kernel accepts and the op's CPU entry does not list): "
+                  f"{c['matched']} of {c['checks']} (op, dtype) pairs match what CUDA computes ({c['matched_pct']} %; "
+                  "reference: CPU in the nearest wider dtype, results in the dtypes CUDA returns).", ""]
+    if s.get("families"):
+        lines += ["## Per dtype", "",
+                  "Every (op, dtype) check: the op's first dtype with the checks above, other CPU dtypes forward "
+                  "only, CUDA-only dtypes against CPU computed wider. `match` = compiled + fallback.", "",
+                  "| dtype family | checks | match | compiled | mismatch | error | skipped | match % | match % of run |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for fam, f in s["families"].items():
+            lines.append(f"| {fam} | {f['checks']} | {f['matched']} | {f['compiled']} | {f['mismatch']} | {f['error']} | "
+                         f"{f['skipped']} | {f['matched_pct']} % | {f['matched_pct_of_run']} % |")
+        lines += ["", "| dtype | checks | match | compiled | mismatch | error | skipped | match % |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for d, f in s["dtypes"].items():
+            lines.append(f"| {d} | {f['checks']} | {f['matched']} | {f['compiled']} | {f['mismatch']} | {f['error']} | "
+                         f"{f['skipped']} | {f['matched_pct']} % |")
+        lines.append("")
     bad = [(n, r) for n, r in cov["ops"].items() if r["status"] in ("mismatch", "error")]
     if bad:
         from ._skips import KNOWN_FAILURES
@@ -271,10 +348,17 @@ def markdown(cov: dict[str, Any]) -> str:
         lines += [f"| `{n}` | {r['status']} | {_cell(r.get('reason', ''))} | {_cell(KNOWN_FAILURES.get(n, ''))} |"
                   for n, r in bad]
         lines.append("")
-    accel = [(n, d, r) for n, o in cov["ops"].items() for d, r in o.get("accel_dtypes", {}).items()]
-    if accel:
-        lines += ["## Accelerator-only dtypes", "", "| op | dtype | status | reason |", "|---|---|---|---|"]
-        lines += [f"| `{n}` | {d} | {r['status']} | {_cell(r.get('reason', ''))} |" for n, d, r in accel]
+    pairs = [(n, d, r) for n, o in cov["ops"].items() for d, r in o.get("dtypes", {}).items() if r.get("cuda_only")]
+    if pairs:
+        lines += ["## CUDA-only dtypes", "", "| op | dtype | status | reason |", "|---|---|---|---|"]
+        lines += [f"| `{n}` | {d} | {r['status']} | {_cell(r.get('reason', ''))} |" for n, d, r in pairs]
+        lines.append("")
+    other = [(n, d, r) for n, o in cov["ops"].items() for d, r in o.get("dtypes", {}).items()
+             if not r.get("cuda_only") and r["status"] in ("mismatch", "error")]
+    if other:
+        lines += ["## Other dtypes: mismatches and errors", "", "| op | dtype | status | reason |",
+                  "|---|---|---|---|"]
+        lines += [f"| `{n}` | {d} | {r['status']} | {_cell(r.get('reason', ''))} |" for n, d, r in other]
         lines.append("")
     lines += ["## Every op", "", "| op | status | dtype | checks | reason |", "|---|---|---|---|---|"]
     for n, r in cov["ops"].items():

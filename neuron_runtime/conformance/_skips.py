@@ -56,27 +56,24 @@ NO_BACKWARD: dict[str, str] = {}
 NO_INPLACE: dict[str, str] = {}
 NO_OUT: dict[str, str] = {}
 
-_FFT_HALF = ("ATen's fft composite (promote_type_fft) accepts float16 only when the device is CUDA or meta and "
-             "raises 'Unsupported dtype Half' before any neuron kernel runs; fixing it needs a neuron kernel for "
-             "the CompositeImplicit fft_* ops")
-# Accelerator-only dtypes the runtime cannot serve yet, and why.
-ACCEL_UNSUPPORTED: dict[str, str] = {
-    **{f"fft.{n}": _FFT_HALF for n in ("fft", "fft2", "fftn", "hfft", "hfft2", "hfftn", "rfft", "rfft2", "rfftn",
-                                        "ifft", "ifft2", "ifftn", "ihfft", "ihfft2", "ihfftn", "irfft", "irfft2",
-                                        "irfftn")},
-}
+# CUDA-only (op, dtype) pairs the runtime cannot serve yet, and why (keys "name:dtype").
+CUDA_ONLY_UNSUPPORTED: dict[str, str] = {}
 
 # Ops that do not match CPU yet, and why (tests/conformance expects them to fail; delete an entry once fixed).
 # Empty since the conjugate/negative-bit fix (`_kernels.register_all`: `_copy_from` falls through those keys).
 KNOWN_FAILURES: dict[str, str] = {}
 
-# Accelerator-only dtypes: accepted by CUDA kernels, possibly not by the host CPU kernel. Filled from the
-# OpInfos themselves (`dtypesIfCUDA` minus the CPU dtypes) by `accel_dtypes()`.
-ACCEL_DTYPES = (torch.float16, torch.bfloat16)
 
-
-def accel_dtypes(op: object) -> list[torch.dtype]:
-    """The half-precision dtypes CUDA accepts for `op` and its CPU entry does not list."""
+def cuda_only_dtypes(op: object) -> list[torch.dtype]:
+    """The dtypes CUDA's kernel accepts for `op` and its CPU entry does not list (`dtypesIfCUDA` minus the
+    CPU dtypes), for ops with a CPU entry at all."""
     cpu = set(op.supported_dtypes("cpu"))  # type: ignore[attr-defined]
+    if not cpu:
+        return []
     cuda = set(op.supported_dtypes("cuda"))  # type: ignore[attr-defined]
-    return [d for d in ACCEL_DTYPES if d in cuda and d not in cpu]
+    return sorted(cuda - cpu, key=str)
+
+
+def cpu_dtypes(op: object) -> list[torch.dtype]:
+    """Every dtype the op's CPU entry lists."""
+    return sorted(op.supported_dtypes("cpu"), key=str)  # type: ignore[attr-defined]

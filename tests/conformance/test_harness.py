@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from neuron_runtime.conformance import _runner
-from neuron_runtime.conformance._check import check_op, op_key
+from neuron_runtime.conformance._check import check_cuda_dtype, check_op, op_key
 from neuron_runtime.conformance._runner import coverage_map, markdown, select
 
 
@@ -81,3 +81,41 @@ def test_select_and_markdown() -> None:
     assert (s["ops"], s["compiled"], s["mismatch"], s["partial"], s["matched_pct"]) == (2, 1, 1, True, 50.0)
     md = markdown(cov)
     assert "**Partial:**" in md and "a\\|b" in md and "`y`" in md
+
+
+@pytest.fixture(scope="module")
+def histc_op() -> Any:
+    return next(op for op in _runner.load_op_db() if op_key(op) == "histc")
+
+
+def test_cuda_only_dtype_matches_and_can_fail(histc_op: Any) -> None:
+    # histc on int32: CUDA's kernel takes it, CPU's does not; the reference is CPU computed wider.
+    assert check_cuda_dtype(histc_op, torch.int32, k=1).status == "compiled"
+
+    def off_by_one(x: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
+        out = torch.histc(x, *a, **kw)
+        return out + 1 if out.device.type == "neuron" else out
+
+    r = check_cuda_dtype(_patched(histc_op, off_by_one), torch.int32, k=1)
+    assert r.status == "mismatch" and "int32" in r.reason
+
+    def wrong_dtype(x: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
+        out = torch.histc(x, *a, **kw)
+        return out.long() if out.device.type == "neuron" else out
+
+    assert check_cuda_dtype(_patched(histc_op, wrong_dtype), torch.int32, k=1).status == "mismatch"
+
+
+def test_dtype_summary_counts_families() -> None:
+    ops = {"a": {"status": "compiled", "dtype": "float32",
+                 "dtypes": {"int32": {"status": "compiled"}, "float16": {"status": "mismatch"},
+                            "complex32": {"status": "compiled", "cuda_only": True}}},
+           "b": {"status": "fallback", "dtype": "int64", "dtypes": {"bool": {"status": "error", "cuda_only": True}}}}
+    cov = coverage_map("reference", ops, [], 1, 1.0)
+    s = cov["summary"]
+    assert s["cuda_only"]["checks"] == 2 and s["cuda_only"]["matched"] == 1
+    f = s["families"]
+    assert f["integer"]["checks"] == 2 and f["integer"]["matched"] == 2
+    assert f["half (float16, bfloat16)"]["mismatch"] == 1 and f["bool"]["error"] == 1
+    md = markdown(cov)
+    assert "## Per dtype" in md and "## CUDA-only dtypes" in md and "| `b` | bool | error |" in md

@@ -202,3 +202,18 @@ def test_scalars_that_decide_code_paths_are_keyed_by_value() -> None:
     x = torch.randn(6)
     for lambd in (0.5, 0.25):  # two values, two executables, both right
         assert_same(F.softshrink(x, lambd), F.softshrink(x.to(DEV), lambd))
+
+
+def test_conjugated_results_keep_their_bit_on_the_hit_path() -> None:
+    # linalg_lu_solve(adjoint=True, left=False) returns a lazily conjugated view on CPU; relabelling it
+    # to neuron dropped the conjugate bit, so every hit (native layer) returned conjugated values.
+    torch.manual_seed(0)
+    lu = torch.randn(3, 3, dtype=torch.complex64).mT + 3 * torch.eye(3)
+    piv = torch.tensor([1, 2, 3], dtype=torch.int32)
+    b = torch.randn(3, 4, dtype=torch.complex64).mT
+    want = torch.linalg.lu_solve(lu, piv, b, adjoint=True, left=False)
+    assert want.is_conj()
+    for _ in range(3):
+        got = torch.linalg.lu_solve(lu.to(DEV), piv.to(DEV), b.to(DEV), adjoint=True, left=False)
+        assert got.is_conj()
+        assert torch.equal(got.cpu().resolve_conj(), want.resolve_conj())
