@@ -210,6 +210,11 @@ class Runtime:
         s["fallback_ops"] = sorted(self.fallback_ops)
         s["compiler"] = self.compiler.name
         s["compile_mode"] = self.cfg.compile_mode
+        with self.lock:
+            s["compiles_by_kind"] = dict(self.resolver.compile_kinds)
+        from . import _compile  # torch.compile graphs (imports nothing heavy)
+
+        s["graphs"] = dict(_compile.stats(), compiles=s["compiles_by_kind"]["graph"])
         bg = self.resolver._background
         if bg is not None:
             s["background"] = bg.stats()
