@@ -84,7 +84,21 @@ class _Specialised:
                     if isinstance(a, torch.Tensor) else (type(a).__name__, a) for a in args)
         fn = self.by_shape.get(key)
         if fn is None:
-            fn = self.by_shape[key] = _aot(self.gm, list(args))
+            try:
+                fn = _aot(self.gm, list(args))
+            except Exception as e:  # noqa: BLE001 - e.g. a float Dynamo made an input, read with .item()
+                from . import _dispatch
+
+                if not _dispatch.runtime().cfg.graph_fallback:
+                    raise GraphCompileError(f"neuron: a dynamic torch.compile graph cannot be specialised "
+                                            f"({type(e).__name__}: {str(e)[:200]}) and "
+                                            "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1") from e
+                warnings.warn(f"neuron: a dynamic torch.compile graph cannot be specialised to static shapes "
+                              f"({type(e).__name__}); it runs op by op (compile with dynamic=False)",
+                              UserWarning, stacklevel=2)
+                _bump("graphs_refused")
+                fn = self.gm
+            self.by_shape[key] = fn
         return fn(*args)
 
 
@@ -179,3 +193,9 @@ class CompiledGraph:
 def stats() -> dict[str, int]:
     with _lock:
         return dict(STATS)
+
+
+def reset_stats() -> None:
+    with _lock:
+        for k in STATS:
+            STATS[k] = 0

@@ -487,6 +487,9 @@ def reset_runtime(cfg: _config.Config | None = None) -> Runtime:
     if _runtime is not None:
         _runtime.close()
     _runtime = Runtime(cfg or _config.reload())
+    from . import _compile
+
+    _compile.reset_stats()
     for info, exes in _EXES.values():
         exes.clear()
     _forget_native()
