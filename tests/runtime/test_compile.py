@@ -243,3 +243,35 @@ def test_explain_names_the_graph_node_that_differs() -> None:
     b = _graph.signature(make_fx(lambda t: ((t * 3.0).relu(),))(x), "forward").signature
     diffs = signature_diffs(a, b)
     assert [(d["part"], d["path"]) for d in diffs] == [("graph node structural value", "graph[0].args.other")]
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "another_entry"])
+def test_corrupt_or_forged_graph_entry_is_never_loaded(
+        fresh_runtime: _dispatch.Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, damage: str) -> None:
+    from neuron_runtime.cache import LocalCache
+
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
+    _dispatch.reset_runtime()
+    x = torch.randn(4, 6, device=DEV)
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return (t * 2.0).relu().sum(1)
+
+    [key] = _graph_keys(f, x)
+    want = f(x).cpu()
+    local = LocalCache(str(tmp_path / "local"), 1 << 30)
+    other = next(e.key for e in local.entries() if e.key != key)
+    data = bytearray(local.get(key) or b"")
+    assert data
+    if damage == "flipped_byte":
+        data[len(data) // 2] ^= 0xFF
+    else:  # a valid entry of another key stored under this graph's name
+        data = bytearray(local.get(other) or b"")
+    local.delete(key)
+    local.put(key, bytes(data))
+    _dispatch.reset_runtime()
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="neuron")(x)
+    torch.testing.assert_close(got.cpu(), want)
+    s = neuron_runtime.stats()
+    assert s["corrupt"] >= 1 and s["graphs"]["compiles"] == 1 and s["graphs"]["graph_executions"] == 1
