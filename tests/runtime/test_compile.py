@@ -275,3 +275,58 @@ def test_corrupt_or_forged_graph_entry_is_never_loaded(
     torch.testing.assert_close(got.cpu(), want)
     s = neuron_runtime.stats()
     assert s["corrupt"] >= 1 and s["graphs"]["compiles"] == 1 and s["graphs"]["graph_executions"] == 1
+
+
+def test_autocast_region_inside_a_compiled_graph(fresh_runtime: _dispatch.Runtime) -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(DEV)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=DEV, dtype=torch.bfloat16):
+            return m(x).float().sum()
+
+    x = torch.randn(4, 8, device=DEV)
+    want = f(x)
+    got = torch.compile(f, backend="neuron")(x)
+    assert torch.equal(got.cpu(), want.cpu())  # bf16 matmuls, as eager autocast does them
+    assert neuron_runtime.stats()["graphs"]["graph_executions"] == 1
+
+
+class _TinyCausalLM(torch.nn.Module):
+    """A GPT-style causal LM (embedding, causal attention, MLP, tied head): what a Hugging Face config
+    with random weights builds, without the download or the dependency."""
+
+    def __init__(self, vocab: int = 50, d: int = 32, heads: int = 4, layers: int = 2, seq: int = 12) -> None:
+        super().__init__()
+        self.emb, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied, as GPT-2's
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        h = self.emb(ids) + self.pos(torch.arange(t, device=ids.device))
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(t, device=ids.device)
+        for b in self.blocks:
+            h = b(h, src_mask=mask, is_causal=True)
+        logits = self.head(self.ln(h))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_tiny_causal_lm_forward_and_backward_equal_eager_neuron(fresh_runtime: _dispatch.Runtime) -> None:
+    torch.manual_seed(0)
+    eager = _TinyCausalLM().to(DEV)
+    model = copy.deepcopy(eager)
+    ids = torch.randint(0, 50, (2, 12)).to(DEV)
+    labels = torch.randint(0, 50, (2, 12)).to(DEV)
+    want = eager(ids, labels)
+    want.backward()
+    got = torch.compile(model, backend="neuron")(ids, labels)
+    got.backward()
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-5, atol=1e-5)
+    for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(pc.grad.cpu(), pe.grad.cpu(), rtol=1e-4, atol=1e-5, msg=name)
+    g = neuron_runtime.stats()["graphs"]
+    assert g["graphs_refused"] == 0 and g["graph_executions"] >= 2, g
