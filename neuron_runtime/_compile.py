@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import _graph
+from . import _dispatch, _graph
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,7 @@ class _Specialised:
             try:
                 fn = _aot(self.gm, list(args))
             except Exception as e:  # noqa: BLE001 - e.g. a float Dynamo made an input, read with .item()
-                from . import _dispatch
-
-                if not _dispatch.runtime().cfg.graph_fallback:
+                if not _runtime().cfg.graph_fallback:
                     raise GraphCompileError(f"neuron: a dynamic torch.compile graph cannot be specialised "
                                             f"({type(e).__name__}: {str(e)[:200]}) and "
                                             "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1") from e
@@ -100,6 +98,11 @@ class _Specialised:
                 fn = self.gm
             self.by_shape[key] = fn
         return fn(*args)
+
+
+def _runtime() -> Any:
+    """The current runtime (a test or `neuron_runtime.reset()` may have replaced the one a graph met first)."""
+    return _dispatch.runtime()
 
 
 def _compiler(kind: str) -> Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
@@ -113,12 +116,9 @@ class CompiledGraph:
     early), returns the list of its outputs."""
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str) -> None:
-        from . import _dispatch
-
         self._boxed_call = True  # an instance attribute: Dynamo's wrappers copy `__dict__`
         self.gm = gm
         self.kind = kind
-        self.rt = _dispatch.runtime()
         self.exe: Any = None
         self.refused: str | None = None
         self.plan: _graph.GraphPlan | None = None
@@ -130,7 +130,7 @@ class CompiledGraph:
             return
         if self.plan.n_ops == 0:  # nothing to compute: outputs are inputs or constants
             return
-        self.key = self.rt.resolver.key(self.plan.signature)
+        self.key = _runtime().resolver.key(self.plan.signature)
         _bump("graphs")
         self._resolve()
 
@@ -138,7 +138,7 @@ class CompiledGraph:
         self.refused = why
         _bump("graphs_refused")
         msg = f"neuron: a torch.compile {self.kind} graph cannot be compiled ({why}); it runs op by op"
-        if not self.rt.cfg.graph_fallback:
+        if not _runtime().cfg.graph_fallback:
             raise GraphCompileError(msg.replace("; it runs op by op", "") +
                                     " and TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1 forbids running it op by op")
         warnings.warn(msg, UserWarning, stacklevel=3)
@@ -148,7 +148,7 @@ class CompiledGraph:
 
         assert self.plan is not None
         try:
-            self.exe, _ = self.rt.resolver.resolve(self.plan.signature)
+            self.exe, _ = _runtime().resolver.resolve(self.plan.signature)
         except CompileRefused as e:
             self._refuse(str(e))
         else:
@@ -177,8 +177,7 @@ class CompiledGraph:
         return out
 
     def _run(self, plan: _graph.GraphPlan, args: list[Any]) -> list[Any]:
-        from ._dispatch import alias, wrap
-
+        alias, wrap = _dispatch.alias, _dispatch.wrap
         ins = [alias(t) if t.device.type == "neuron" else t for t in (args[p] for p in plan.inputs)]
         outs = self.exe(ins, ())
         res = [wrap(o) if dev else o for o, dev in zip(outs, plan.on_device)]
