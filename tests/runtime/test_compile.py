@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import copy
-import json
-import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from rt_helpers import run_python
 
 import neuron_runtime
 from neuron_runtime import _compile, _dispatch, _graph, _signature
@@ -108,40 +105,6 @@ def test_different_graphs_never_share_a_key(fresh_runtime: _dispatch.Runtime) ->
     ]
     keys = [base[0]] + [k[0] for k in others]
     assert len(set(keys)) == len(keys)
-
-
-def test_same_graph_same_key_in_another_process(fresh_runtime: _dispatch.Runtime) -> None:
-    code = """
-import json, torch
-from neuron_runtime import _compile
-keys = []
-real = _compile.CompiledGraph.__init__
-def spy(self, gm, kind):
-    real(self, gm, kind); keys.append(self.key)
-_compile.CompiledGraph.__init__ = spy
-m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
-y = torch.compile(m.to("neuron"), backend="neuron")(torch.randn(5, 8, device="neuron"))
-y.sum().backward()
-print(json.dumps(keys))
-"""
-    env = dict(os.environ, PYTHONHASHSEED="123", TORCH_NEURONX_COMPILE_MODE="sync")
-    r = run_python(code, env=env)
-    assert r.returncode == 0, r.stderr
-    theirs = json.loads(r.stdout.strip().splitlines()[-1])
-    model = _mlp().to(DEV)
-    ours = []
-    real = _compile.CompiledGraph.__init__
-
-    def spy(self: Any, gm: Any, kind: str) -> None:
-        real(self, gm, kind)
-        ours.append(self.key)
-
-    _compile.CompiledGraph.__init__ = spy  # type: ignore[method-assign]
-    try:
-        torch.compile(model, backend="neuron")(torch.randn(5, 8, device=DEV)).sum().backward()
-    finally:
-        _compile.CompiledGraph.__init__ = real  # type: ignore[method-assign]
-    assert len(ours) == 2 and ours == theirs
 
 
 def test_graph_signature_holds_no_names_or_ids() -> None:

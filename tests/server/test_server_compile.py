@@ -28,8 +28,9 @@ print(json.dumps({"loss": loss.item(), "graphs": s["graphs"], "hits": s["hits"]}
 """
 
 
-def _host(tmp: Path, name: str, store: str) -> dict[str, object]:
+def _host(tmp: Path, name: str, store: str, hash_seed: str) -> dict[str, object]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    env["PYTHONHASHSEED"] = hash_seed
     env.update(TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_COMPILE_MODE="sync", TORCH_NEURONX_PREFETCH="0",
                TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(tmp / name), TORCH_NEURONX_NEFF_CACHE_DIR=store)
     r = subprocess.run([sys.executable, "-c", JOB], env=env, capture_output=True, text=True, timeout=300)
@@ -38,9 +39,10 @@ def _host(tmp: Path, name: str, store: str) -> dict[str, object]:
 
 
 def test_fresh_host_on_a_warm_grpc_store_compiles_no_graph(server: ServerProc, tmp_path: Path) -> None:
-    first = _host(tmp_path, "host-a", f"grpc://{server.address}")
+    """Also: the same graphs get the same keys in two processes with other hash seeds (else B compiles)."""
+    first = _host(tmp_path, "host-a", f"grpc://{server.address}", "1")
     assert first["graphs"]["compiles"] == 2  # type: ignore[index]
-    second = _host(tmp_path, "host-b", f"grpc://{server.address}")
+    second = _host(tmp_path, "host-b", f"grpc://{server.address}", "2")
     assert second["graphs"]["compiles"] == 0 and second["graphs"]["graph_executions"] == 4  # type: ignore[index]
     assert second["hits"]["fleet"] >= 2  # type: ignore[index]
     assert second["loss"] == pytest.approx(first["loss"])
