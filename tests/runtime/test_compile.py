@@ -293,3 +293,25 @@ def test_tiny_causal_lm_forward_and_backward_equal_eager_neuron(fresh_runtime: _
         torch.testing.assert_close(pc.grad.cpu(), pe.grad.cpu(), rtol=1e-4, atol=1e-5, msg=name)
     g = neuron_runtime.stats()["graphs"]
     assert g["graphs_refused"] == 0 and g["graph_executions"] >= 2, g
+
+
+def test_compiled_optimizer_step_updates_state_in_place(fresh_runtime: _dispatch.Runtime) -> None:
+    """`torch.compile(opt.step)`: AdamW's update is one graph writing parameters and moments in place."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+    model = copy.deepcopy(ref).to(DEV)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torch.compile(opt.step, backend="neuron")
+    x = torch.randn(5, 8)
+    for _ in range(3):
+        opt_ref.zero_grad()
+        ref(x).pow(2).sum().backward()
+        opt_ref.step()
+        opt.zero_grad()
+        model(x.to(DEV)).pow(2).sum().backward()
+        step()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=1e-6)
+    g = neuron_runtime.stats()["graphs"]
+    assert g["graphs_refused"] == 0 and g["graph_executions"] == 3 and g["graph_eager_runs"] == 0, g
