@@ -3,8 +3,9 @@
 1. Steady state: training steps of `benchmarks/fusion.py`'s MLP and transformer block, the model's
    forward + loss compiled, AdamW eager, in one process: native CPU eager, `torch.compile` (Inductor) on
    CPU tensors and `torch.compile(backend="neuron")` on neuron tensors, steps interleaved one by one
-   (OMP_NUM_THREADS=1), medians of per-round ratios. Two loop shapes: the same batch with `loss.item()`
-   every step, and a new batch (made on CPU, moved to the device) every step.
+   (OMP_NUM_THREADS=1), medians of per-round ratios. Three loop shapes: the same batch with
+   `loss.item()` every step, a new batch (made on CPU, moved to the device) every step, and the same
+   batch with `opt.step` compiled too (on both compiled sides).
 2. Warm start: a second process on a warm local tier (the first one compiles): compiles it ran, and the
    first compiled step's time after `import torch` returned (Dynamo + AOTAutograd tracing, keying,
    loading). Beside it, Inductor's own FX graph cache warm start for the same model, measured the same way.
@@ -47,7 +48,7 @@ def block():
 
 MAKERS = {"mlp": mlp, "transformer_block": block}
 
-def step_fn(make, device, backend, new_batch=False):
+def step_fn(make, device, backend, new_batch=False, compile_opt=False):
     torch.manual_seed(0)
     model, shape = make()
     model = model.to(device)
@@ -56,13 +57,14 @@ def step_fn(make, device, backend, new_batch=False):
     def loss_fn(x):
         return model(x).float().pow(2).mean()
     fwd = loss_fn if backend is None else torch.compile(loss_fn, backend=backend)
+    opt_step = torch.compile(opt.step, backend=backend) if compile_opt and backend else opt.step
     losses = []
     gen = torch.Generator().manual_seed(1)  # each side's own batches: the same ones on every side
     def step():
         opt.zero_grad(set_to_none=True)
         loss = fwd(torch.randn(*shape, generator=gen).to(device) if new_batch else x)
         loss.backward()
-        opt.step()
+        opt_step()
         losses.append(loss.item())
     return step, losses
 """
@@ -70,14 +72,15 @@ def step_fn(make, device, backend, new_batch=False):
 STEADY = MODELS + r"""
 import json, statistics, sys, time
 torch.set_num_threads(1)
-steps, rounds = int(sys.argv[1]), int(sys.argv[2])
+steps, rounds, LOOPS = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
 import neuron_runtime
 out = {}
 for name, make in MAKERS.items():
-    for loop in ("same_batch", "new_batch"):
-        sides = {"native": step_fn(make, "cpu", None, loop == "new_batch"),
-                 "inductor": step_fn(make, "cpu", "inductor", loop == "new_batch"),
-                 "neuron": step_fn(make, "neuron", "neuron", loop == "new_batch")}
+    for loop in LOOPS:
+        kw = {"new_batch": loop == "new_batch", "compile_opt": loop == "optimizer_compiled"}
+        sides = {"native": step_fn(make, "cpu", None, **kw),
+                 "inductor": step_fn(make, "cpu", "inductor", **kw),
+                 "neuron": step_fn(make, "neuron", "neuron", **kw)}
         for _ in range(4):  # warm: compiles (sync mode), Inductor's autotuning-free first calls
             for fn, _l in sides.values():
                 fn()
@@ -140,6 +143,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=15, help="rounds of --steps steps (medians of these)")
     p.add_argument("--cache-dir", help="local executable cache to use (default: a fresh temporary directory)")
     p.add_argument("--skip", choices=["steady", "warm"], help="leave one part out")
+    p.add_argument("--loops", default="same_batch,new_batch,optimizer_compiled",
+                   help="steady-state loop shapes: same_batch (loss.item() every step), new_batch (a new batch "
+                        "moved to the device every step), optimizer_compiled (same batch, opt.step compiled too)")
     args = p.parse_args()
     cache = args.cache_dir or tempfile.mkdtemp(prefix="neuron-compile-bench-")
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_NEURONX_COMPILER=args.tier,
@@ -148,7 +154,7 @@ def main() -> int:
     report: dict[str, object] = {"tier": args.tier, "steps_per_round": args.steps, "rounds": args.rounds,
                                  "load": os.getloadavg()[0]}
     if args.skip != "steady":
-        report["steady"] = _child(STEADY, [str(args.steps), str(args.rounds)], env)
+        report["steady"] = _child(STEADY, [str(args.steps), str(args.rounds), args.loops], env)
     if args.skip != "warm":
         warm: dict[str, object] = {}
         for name in ("mlp", "transformer_block"):
