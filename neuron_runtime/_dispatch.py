@@ -210,7 +210,7 @@ class Runtime:
         s["fallback_ops"] = sorted(self.fallback_ops)
         s["compiler"] = self.compiler.name
         s["compile_mode"] = self.cfg.compile_mode
-        with self.lock:
+        with self.resolver._kinds_lock:
             s["compiles_by_kind"] = dict(self.resolver.compile_kinds)
         from . import _compile  # torch.compile graphs (imports nothing heavy)
 

@@ -48,6 +48,7 @@ class Resolver:
         self._background: Any = None
         self.seen: dict[str, int] = {}  # background mode: requests of keys not yet queued for compiling
         self.compile_kinds: dict[str, int] = {"op": 0, "fused": 0, "graph": 0}  # compiles this process caused
+        self._kinds_lock = threading.Lock()  # its own: callers may hold the runtime's lock, or the cache's
         self.recorder: Callable[[dict[str, Any], str], None] | None = None
         if cfg.record_file:
             from ._record import Recorder
@@ -272,7 +273,7 @@ class Resolver:
         """A compile of an op, a fused group or a torch.compile graph (`stats()["compiles_by_kind"]`)."""
         op = str(sig.get("op", ""))
         kind = "graph" if op.startswith("graph:") else "fused" if op.startswith("fused:") else "op"
-        with self.lock:
+        with self._kinds_lock:
             self.compile_kinds[kind] += 1
 
     def count(self, name: str) -> None:
