@@ -180,13 +180,33 @@ class CompiledGraph:
         alias, wrap = _dispatch.alias, _dispatch.wrap
         ins = [alias(t) if t.device.type == "neuron" else t for t in (args[p] for p in plan.inputs)]
         outs = self.exe(ins, ())
-        res = [wrap(o) if dev else o for o, dev in zip(outs, plan.on_device)]
+        # Input mutations (an optimizer's parameters and moments): copied on the host, into the inputs'
+        # CPU views (one native copy each instead of a neuron op each), and their version counters
+        # bumped as the in-place op would have.
         for p, i in plan.copies:
-            args[p].copy_(res[i])
+            t = args[p]
+            if t.device.type == "neuron":
+                alias(t).copy_(outs[i])
+                _bump_version(t)
+            else:
+                t.copy_(outs[i])
         _bump("graph_executions")
-        out = [res[v] if how == "x" else args[v] if how == "in" else v for how, v in plan.outputs]
+        on_device = plan.on_device
+        made: dict[int, Any] = {}  # a result returned twice is one tensor, as in the graph
+        out = []
+        for how, v in plan.outputs:
+            if how == "x":
+                o = made.get(v)
+                if o is None:
+                    o = made[v] = wrap(outs[v]) if on_device[v] else outs[v]
+                out.append(o)
+            else:
+                out.append(args[v] if how == "in" else v)
         args.clear()
         return out
+
+
+_bump_version = torch.autograd.graph.increment_version
 
 
 def stats() -> dict[str, int]:
