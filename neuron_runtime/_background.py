@@ -260,6 +260,7 @@ class Background:
         if status in ("compiled", "present"):
             if status == "compiled" and msg.get("caused"):
                 self.resolver.count("compiles")
+                self.resolver.count_kind(job.candidates[-1])
             found = msg.get("found") or job_key
             cache = self.resolver.cache
             entry = cache.get_local(found) if cache is not None else None

@@ -50,6 +50,7 @@ def _default_workers() -> int:
 class Config:
     compiler: str = "aoti"
     fallback: bool = True
+    graph_fallback: bool = True  # a torch.compile graph the compiler refuses runs op by op
     stats_file: str | None = None
     log_level: str = "WARNING"
     # caches
@@ -89,6 +90,7 @@ class Config:
 _VARS: dict[str, tuple[str, object]] = {
     "TORCH_NEURONX_COMPILER": ("compiler", str),
     "TORCH_NEURONX_FALLBACK": ("fallback", lambda v: _flag(v, True)),
+    "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": ("graph_fallback", lambda v: not _flag(v, False)),
     "TORCH_NEURONX_STATS_FILE": ("stats_file", str),
     "TORCH_NEURONX_LOG_LEVEL": ("log_level", str.upper),
     "TORCH_NEURONX_NEFF_CACHE_DIR": ("cache_dir", str),

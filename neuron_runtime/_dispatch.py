@@ -222,6 +222,11 @@ class Runtime:
         s["widened_ops"] = {op: sorted(how) for op, how in sorted(self.widened_ops.items())}
         s["compiler"] = self.compiler.name
         s["compile_mode"] = self.cfg.compile_mode
+        with self.resolver._kinds_lock:
+            s["compiles_by_kind"] = dict(self.resolver.compile_kinds)
+        from . import _compile  # torch.compile graphs (imports nothing heavy)
+
+        s["graphs"] = dict(_compile.stats(), compiles=s["compiles_by_kind"]["graph"])
         bg = self.resolver._background
         if bg is not None:
             s["background"] = bg.stats()
@@ -540,6 +545,9 @@ def reset_runtime(cfg: _config.Config | None = None) -> Runtime:
     if _runtime is not None:
         _runtime.close()
     _runtime = Runtime(cfg or _config.reload())
+    from . import _compile
+
+    _compile.reset_stats()
     for info, exes in _EXES.values():
         exes.clear()
     _forget_native()

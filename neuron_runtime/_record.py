@@ -60,6 +60,18 @@ def check_signature(sig: Any) -> dict[str, Any]:
         raise ValueError(f"signature must be a JSON object, not {type(sig).__name__}")
     if not isinstance(sig.get("op"), str) or not sig["op"]:
         raise ValueError("signature has no 'op' string")
+    if "graph" in sig:  # a torch.compile graph or a fused group: a list of op signatures and their wiring
+        nodes, outputs = sig["graph"], sig.get("outputs")
+        if not isinstance(nodes, list) or not nodes or not isinstance(outputs, list):
+            raise ValueError("a graph signature needs a non-empty 'graph' list and an 'outputs' list")
+        for i, node in enumerate(nodes):
+            if not isinstance(node, dict) or not isinstance(node.get("in"), list):
+                raise ValueError(f"graph[{i}] must be {{\"sig\": ..., \"in\": [...]}}")
+            try:
+                check_signature(node.get("sig"))
+            except ValueError as e:
+                raise ValueError(f"graph[{i}]: {e}") from None
+        return sig
     if not isinstance(sig.get("schema"), str):
         raise ValueError("signature has no 'schema' string")
     args = sig.get("args")

@@ -47,6 +47,8 @@ class Resolver:
         self._cache_opened = False
         self._background: Any = None
         self.seen: dict[str, int] = {}  # background mode: requests of keys not yet queued for compiling
+        self.compile_kinds: dict[str, int] = {"op": 0, "fused": 0, "graph": 0}  # compiles this process caused
+        self._kinds_lock = threading.Lock()  # its own: callers may hold the runtime's lock, or the cache's
         self.recorder: Callable[[dict[str, Any], str], None] | None = None
         if cfg.record_file:
             from ._record import Recorder
@@ -227,11 +229,14 @@ class Resolver:
                 raise CacheMissError(digest, self.strict_message(digest, sig))
             payload = self.compiler.compile(sig)
             self.count("compiles")
+            self.count_kind(sig)
             return self.compiler.load(payload)
 
         def compile_entry() -> bytes:
             log.info("compiling %s", sig["op"])
-            return _entries.build_entry(cache, self.compiler, digest, sig, self.fingerprint)
+            entry = _entries.build_entry(cache, self.compiler, digest, sig, self.fingerprint)
+            self.count_kind(sig)
+            return entry
 
         try:
             entry, where = cache.get_or_compile(digest, compile_entry)
@@ -263,6 +268,13 @@ class Resolver:
         entry = _entries.replace(cache, digest, compile_entry)
         self.count("compiles")
         return entry
+
+    def count_kind(self, sig: dict[str, Any]) -> None:
+        """A compile of an op, a fused group or a torch.compile graph (`stats()["compiles_by_kind"]`)."""
+        op = str(sig.get("op", ""))
+        kind = "graph" if op.startswith("graph:") else "fused" if op.startswith("fused:") else "op"
+        with self._kinds_lock:
+            self.compile_kinds[kind] += 1
 
     def count(self, name: str) -> None:
         """Bump a counter the TieredCache may bump too: under the cache's lock when there is one."""

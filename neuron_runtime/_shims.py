@@ -22,6 +22,10 @@ Each patch changes behaviour only for `neuron` and says why it exists:
     docs/distributed.md), and DDP has no hook through which a device maps a local rank to its index, so
     for a module on neuron an index equal to the process's LOCAL_RANK (or 0) is mapped to 0; any other
     index is an error that says so.
+  * `torch.compile(m)` with the default backend: Inductor has no `neuron` device and fails deep inside
+    with `KeyError: 'neuron'` (Dynamo offers no hook to pick a backend by device). A graph whose inputs
+    are on neuron goes to the `neuron` backend instead (docs/compile.md); any other graph to Inductor.
+    Inductor's own `mode=`/`options=` do not apply to it (logged once).
 """
 
 from __future__ import annotations
@@ -152,5 +156,27 @@ def install() -> None:
     swap_tensors.__doc__ = swap.__doc__
     torch.utils.swap_tensors = swap_tensors
 
+    _route_inductor()
+
     torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
     torch.Tensor.is_pinned = tensor_is_pinned  # type: ignore[method-assign]
+
+
+def _route_inductor() -> None:
+    wrapper = torch._TorchCompileInductorWrapper  # what `torch.compile(m)` calls with each graph
+    inductor = wrapper.__call__
+
+    def call(self: Any, model_: Any, inputs_: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(t, torch.Tensor) and t.device.type == _device.DEVICE for t in inputs_):
+            import logging
+
+            from ._compile import backend
+
+            logging.getLogger(__name__).info(
+                "torch.compile: a graph on neuron tensors compiles with backend='neuron' (Inductor has no "
+                "neuron device); Inductor's mode/options are not used")
+            return backend(model_, inputs_)
+        return inductor(self, model_, inputs_, *args, **kwargs)
+
+    call.__doc__ = inductor.__doc__
+    wrapper.__call__ = call  # type: ignore[method-assign]

@@ -15,6 +15,9 @@ compared field by field and the differences are named by the part of the key the
     argument kind, tensor count    a tensor vs a number, a None vs a tensor, list lengths
     compiler tier, torch version, ISA, Inductor config, C++ compiler, machine, libc, Python, artifact format
                                    the compiler fingerprint (aoti: _toolchain.fingerprint)
+    graph node <part>, graph wiring, graph nodes, graph outputs
+                                   a torch.compile graph or fused group: the node (`graph[i]`) whose op
+                                   signature differs and how, which inputs a node reads, the node count
 
 Candidates are ranked by the number of differing parts (another op counts as far away). Headers are read
 without verifying the entry (this is a diagnosis; nothing is loaded).
@@ -171,9 +174,30 @@ def _arg_diffs(name: str, kind: str, a: Any, b: Any) -> list[dict[str, Any]]:
     return [_diff("argument", path, a, b)]
 
 
+def _graph_diffs(here: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """A graph (torch.compile, or a fused group): which node differs, and in which part; the wiring (which
+    input or earlier result a node reads) and the graph's outputs."""
+    hg, eg = here.get("graph") or [], entry.get("graph") or []
+    out: list[dict[str, Any]] = []
+    if len(hg) != len(eg):
+        out.append(_diff("graph nodes", "graph", len(hg), len(eg)))
+    for i, (a, b) in enumerate(zip(hg, eg)):
+        for d in signature_diffs(a.get("sig") or {}, b.get("sig") or {}):
+            out.append(dict(d, part=f"graph node {d['part']}", path=f"graph[{i}].{d['path']}"))
+        if not _same(a.get("in"), b.get("in")):
+            out.append(_diff("graph wiring", f"graph[{i}].in", a.get("in"), b.get("in")))
+    for k in sorted((set(here) | set(entry)) - {"op", "graph"}):
+        if not _same(here.get(k), entry.get(k)):
+            out.append(_diff("graph outputs" if k == "outputs" else "signature field", k, here.get(k),
+                             entry.get(k)))
+    return out
+
+
 def signature_diffs(here: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, Any]]:
     if here.get("op") != entry.get("op"):
         return [_diff("op", "op", here.get("op"), entry.get("op"))]
+    if "graph" in here or "graph" in entry:
+        return _graph_diffs(here, entry)
     out: list[dict[str, Any]] = []
     if here.get("schema") != entry.get("schema"):
         out.append(_diff("schema", "schema", here.get("schema"), entry.get("schema")))

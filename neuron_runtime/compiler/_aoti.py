@@ -203,7 +203,10 @@ class AotiCompiler(Compiler):
             raise CompileRefused(f"{qualname}: compiled artifact returns {len(got)} outputs, the op {len(want)}")
         held = {t.untyped_storage().data_ptr() for t in mine if isinstance(t, torch.Tensor)}
         for i, (g, w) in enumerate(zip(got, want)):
-            if i < len(got) - len(into) and g.numel() and g.untyped_storage().data_ptr() in held:
+            # A compiled graph (torch.compile) may return views of its inputs (a transposed weight saved
+            # for backward): its caller relabels them over the same memory, as the view would be.
+            if i < len(got) - len(into) and g.numel() and g.untyped_storage().data_ptr() in held and \
+                    not qualname.startswith("graph:"):
                 raise CompileRefused(f"{qualname}: compiled artifact returns an input's memory as output {i}")
             # Strides of size-1 dimensions are arbitrary; every other stride is the op's layout contract.
             # An empty output has no layout to honour.
@@ -395,8 +398,8 @@ def graph_inputs(signature: dict[str, Any]) -> dict[str, Any]:
                 slots.append(desc)
             elif kind == _ops.TENSORS:
                 slots += desc
-            elif kind == _ops.OPT_TENSORS:
-                raise CompileRefused(f"{signature['op']}: node {k} ({sig['op']}) is not a fusible op")
+            elif kind == _ops.OPT_TENSORS:  # a compiled graph's `index` (None: a dimension not indexed)
+                slots += [d for d in desc if d is not None]
         if len(slots) != len(node["in"]):
             raise CompileRefused(f"{signature['op']}: node {k} ({sig['op']}) is not a fusible op")
         for w, desc in zip(node["in"], slots):

@@ -160,3 +160,26 @@ def test_entries_the_fleet_store_did_not_take_are_failures(tmp_path: Path, capsy
                                     "--local-dir", str(tmp_path / "local"), "--to", str(not_a_dir), "--no-progress"])
     assert rc == 1 and s["failed"] == 2 and s["compiled"] == 0
     assert all("not in the fleet store" in f["reason"] for f in s["failures"])
+
+
+def test_warm_records_and_compiles_torch_compile_graphs(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_NEURONX_FLEET_TIMEOUT", "120")
+    job = JOB.parent / "compile_small.py"
+    local, fleet, manifest = tmp_path / "local", tmp_path / "fleet", tmp_path / "manifest.jsonl"
+    rc = main(["warm", "--tier", "reference", "--jobs", "2", "--local-dir", str(local), "--to", str(fleet),
+               "--manifest", str(manifest), "--json", "--", sys.executable, str(job)])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    summary = json.loads(out)
+    assert summary["failed"] == 0 and summary["compiled"] == summary["signatures"]
+    ops = [json.loads(line).get("signature", json.loads(line)).get("op", "") for line in
+           manifest.read_text().splitlines()]
+    assert sorted(o for o in ops if o.startswith("graph:")) == ["graph:backward", "graph:forward"], ops
+    graphs = tmp_path / "graphs.json"
+    r = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, timeout=300, env=_env(
+        TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_CACHE_MODE="strict", COMPILE_SMALL_OUT=str(graphs),
+        TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(tmp_path / "prod-local"), TORCH_NEURONX_NEFF_CACHE_DIR=str(fleet)))
+    assert r.returncode == 0, r.stderr
+    g = json.loads(graphs.read_text())
+    assert g["compiles"] == 0 and g["graph_executions"] == 4 and g["graph_eager_runs"] == 0

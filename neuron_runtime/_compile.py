@@ -1,0 +1,220 @@
+"""`torch.compile(backend="neuron")`: each captured graph becomes one cached executable (docs/compile.md).
+
+    Dynamo captures a graph (graph breaks run the rest in eager neuron, as usual)
+      └─ AOTAutograd: forward and backward (or inference) graphs of aten ops, functionalized
+           └─ per graph: `_graph.signature` → a graph signature, keyed like any op
+                └─ `Resolver.resolve` (memory → local → fleet store → compile): one AOTInductor package
+                   of the whole graph, through the same cache, envelopes, single-flight and CLI as ops
+
+A call runs the executable on host memory (CPU views of the neuron inputs) and relabels its outputs.
+Until the executable is in (background mode, `TORCH_NEURONX_COMPILE_MODE`), and for good when the
+compiler refuses the graph, the graph runs op by op in eager neuron (one warning for a refusal;
+`TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1` makes it an error).
+
+Registered through the `torch_dynamo_backends` entry point, so `backend="neuron"` needs no import.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import _dispatch, _graph
+
+log = logging.getLogger(__name__)
+
+_MODES = (None, "default")
+_lock = threading.Lock()
+#: Per process: graphs compiled, graph calls on an executable and op by op, refusals.
+STATS: dict[str, int] = {"graphs": 0, "graph_executions": 0, "graph_eager_runs": 0, "graphs_refused": 0}
+
+
+class GraphCompileError(RuntimeError):
+    """A graph the compiler refused while TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1."""
+
+
+def _bump(name: str, n: int = 1) -> None:
+    with _lock:
+        STATS[name] += n
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+            options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The Dynamo backend: AOTAutograd with a compiler that turns each graph into one executable."""
+    if mode not in _MODES:
+        raise ValueError(f"torch.compile(backend='neuron', mode={mode!r}): only mode='default' is supported "
+                         "(each graph is one AOTInductor executable; there is no autotuning or CUDA graphs)")
+    if options:
+        raise ValueError(f"torch.compile(backend='neuron', options={sorted(options)}): the neuron backend takes "
+                         "no options (the compiler is chosen by TORCH_NEURONX_COMPILER)")
+    if any(_symbolic(v) for v in example_inputs):
+        return _Specialised(gm)
+    return _aot(gm, example_inputs)
+
+
+def _aot(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
+                        inference_compiler=_compiler("inference"))(gm, example_inputs)
+
+
+def _symbolic(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return not all(isinstance(d, int) for d in (*v.shape, *v.stride()))
+    return isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+class _Specialised:
+    """A graph Dynamo made dynamic (`dynamic=True`, or automatically after a shape changed): each
+    executable is compiled for static shapes, so each call's concrete shapes, strides and size values get
+    a graph of their own, traced through AOTAutograd on first sight (docs/compile.md: dynamic shapes)."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.by_shape: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        key = tuple((tuple(a.shape), a.stride(), a.dtype, a.device.type, a.requires_grad)
+                    if isinstance(a, torch.Tensor) else (type(a).__name__, a) for a in args)
+        fn = self.by_shape.get(key)
+        if fn is None:
+            try:
+                fn = _aot(self.gm, list(args))
+            except Exception as e:  # noqa: BLE001 - e.g. a float Dynamo made an input, read with .item()
+                if not _runtime().cfg.graph_fallback:
+                    raise GraphCompileError(f"neuron: a dynamic torch.compile graph cannot be specialised "
+                                            f"({type(e).__name__}: {str(e)[:200]}) and "
+                                            "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1") from e
+                warnings.warn(f"neuron: a dynamic torch.compile graph cannot be specialised to static shapes "
+                              f"({type(e).__name__}); it runs op by op (compile with dynamic=False)",
+                              UserWarning, stacklevel=2)
+                _bump("graphs_refused")
+                fn = self.gm
+            self.by_shape[key] = fn
+        return fn(*args)
+
+
+def _runtime() -> Any:
+    """The current runtime (a test or `neuron_runtime.reset()` may have replaced the one a graph met first)."""
+    return _dispatch.runtime()
+
+
+def _compiler(kind: str) -> Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return CompiledGraph(gm, kind)
+    return compile_graph
+
+
+class CompiledGraph:
+    """One AOTAutograd graph: called with the list of its inputs (a boxed call, which lets it free them
+    early), returns the list of its outputs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, kind: str) -> None:
+        self._boxed_call = True  # an instance attribute: Dynamo's wrappers copy `__dict__`
+        self.gm = gm
+        self.kind = kind
+        self.exe: Any = None
+        self.refused: str | None = None
+        self.plan: _graph.GraphPlan | None = None
+        self.key = ""
+        try:
+            self.plan = _graph.signature(gm, kind)
+        except _graph.GraphRefused as e:
+            self._refuse(str(e))
+            return
+        if self.plan.n_ops == 0:  # nothing to compute: outputs are inputs or constants
+            return
+        self.key = _runtime().resolver.key(self.plan.signature)
+        _bump("graphs")
+        self._resolve()
+
+    def _refuse(self, why: str) -> None:
+        self.refused = why
+        _bump("graphs_refused")
+        msg = f"neuron: a torch.compile {self.kind} graph cannot be compiled ({why}); it runs op by op"
+        if not _runtime().cfg.graph_fallback:
+            raise GraphCompileError(msg.replace("; it runs op by op", "") +
+                                    " and TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1 forbids running it op by op")
+        warnings.warn(msg, UserWarning, stacklevel=3)
+
+    def _resolve(self) -> None:
+        from .compiler import CompileRefused
+
+        assert self.plan is not None
+        try:
+            self.exe, _ = _runtime().resolver.resolve(self.plan.signature)
+        except CompileRefused as e:
+            self._refuse(str(e))
+        else:
+            if self.exe is not None:
+                log.info("graph %s %s: executable %s (%d ops)", self.kind, self.key[:12], "ready",
+                         self.plan.n_ops)
+
+    def __call__(self, args: list[Any]) -> Any:
+        plan = self.plan
+        if plan is None or self.refused is not None:
+            return self._eager(args)
+        if plan.n_ops == 0:
+            out = [args[v] if how == "in" else v for how, v in plan.outputs]
+            args.clear()
+            return out
+        if self.exe is None:
+            self._resolve()
+            if self.exe is None:
+                return self._eager(args)
+        return self._run(plan, args)
+
+    def _eager(self, args: list[Any]) -> Any:
+        _bump("graph_eager_runs")
+        out = self.gm(*args)
+        args.clear()
+        return out
+
+    def _run(self, plan: _graph.GraphPlan, args: list[Any]) -> list[Any]:
+        alias, wrap = _dispatch.alias, _dispatch.wrap
+        ins = [alias(t) if t.device.type == "neuron" else t for t in (args[p] for p in plan.inputs)]
+        outs = self.exe(ins, ())
+        # Input mutations (an optimizer's parameters and moments): copied on the host, into the inputs'
+        # CPU views (one native copy each instead of a neuron op each), and their version counters
+        # bumped as the in-place op would have.
+        for p, i in plan.copies:
+            t = args[p]
+            if t.device.type == "neuron":
+                alias(t).copy_(outs[i])
+                _bump_version(t)
+            else:
+                t.copy_(outs[i])
+        _bump("graph_executions")
+        on_device = plan.on_device
+        made: dict[int, Any] = {}  # a result returned twice is one tensor, as in the graph
+        out = []
+        for how, v in plan.outputs:
+            if how == "x":
+                o = made.get(v)
+                if o is None:
+                    o = made[v] = wrap(outs[v]) if on_device[v] else outs[v]
+                out.append(o)
+            else:
+                out.append(args[v] if how == "in" else v)
+        args.clear()
+        return out
+
+
+_bump_version = torch.autograd.graph.increment_version
+
+
+def stats() -> dict[str, int]:
+    with _lock:
+        return dict(STATS)
+
+
+def reset_stats() -> None:
+    with _lock:
+        for k in STATS:
+            STATS[k] = 0

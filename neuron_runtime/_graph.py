@@ -1,0 +1,214 @@
+"""An FX graph of aten ops as a graph signature (docs/compile.md: the key).
+
+`torch.compile(backend="neuron")` hands each graph AOTAutograd produced (forward, backward, or an
+inference graph) to `signature(gm)`, which writes it in the fused groups' graph format
+(`compiler._reference.build_graph`): its ops in order, each an op signature (overload, schema, every
+tensor argument's dtype/sizes/strides, every other argument by value and type), wired to the graph's
+inputs (`["e", i]`) or an earlier op's result (`["n", j, k]`). So a graph is keyed, cached, compiled,
+explained and shared exactly as an op or a fused group is, and the key is stable across processes and
+hosts: it holds no node names, object ids, file paths or hash seeds, only what decides what the graph
+computes.
+
+Graph constants (`x * 2.0`, `dim=1`, a dropout p) are what Dynamo specialised on: they are in the key by
+value. A graph that cannot be written this way (an op outside aten, a random op, symbolic shapes, a
+non-tensor input) raises `GraphRefused` with the reason; the caller runs it op by op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+
+from . import _ops, _signature
+
+_DEVICE = "neuron"
+
+
+class GraphRefused(Exception):
+    """This graph cannot become one executable; the message says why."""
+
+
+@dataclasses.dataclass
+class GraphPlan:
+    """How to call a graph's executable and rebuild the graph's outputs from what it returns.
+
+    `inputs`: the placeholder index feeding each executable input `e{i}`. `outputs`: per graph output,
+    ("x", i) the executable's output i, ("in", p) placeholder p itself, ("const", v) a constant (None).
+    `on_device`: per executable output, whether it is a neuron tensor (else it stays on CPU).
+    `copies`: (placeholder, executable output) pairs for input mutations the graph writes back (`copy_`)."""
+
+    signature: dict[str, Any]
+    inputs: list[int]
+    outputs: list[tuple[str, Any]]
+    on_device: list[bool]
+    copies: list[tuple[int, int]]
+    n_ops: int
+
+
+_INFOS: dict[str, _ops.OpInfo] = {}
+
+
+def _info(op: Any) -> _ops.OpInfo:
+    q = _ops.qualname_of(op)
+    info = _INFOS.get(q)
+    if info is None:
+        info = _INFOS[q] = _ops.classify(q, special=False)
+    return info
+
+
+def _fake(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _meta(node: torch.fx.Node, what: str) -> dict[str, Any]:
+    val = _fake(node)
+    if not isinstance(val, torch.Tensor):
+        raise GraphRefused(f"{what} is a {type(val).__name__}, not a tensor")
+    if not all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+        raise GraphRefused(f"{what} has symbolic shape {list(val.shape)} (dynamic shapes are not compiled: "
+                           "use torch.compile(..., dynamic=False))")
+    if val.layout != torch.strided:
+        raise GraphRefused(f"{what} has layout {val.layout}")
+    return _signature.tensor_meta(val)
+
+
+def _value(v: Any, where: str) -> Any:
+    """A constant argument, keyed by value; the device is host memory whatever the graph says."""
+    if isinstance(v, torch.device) and v.type in (_DEVICE, "cpu"):
+        return {"device": "cpu"}
+    if isinstance(v, torch.fx.Node):
+        raise GraphRefused(f"{where} is computed in the graph ({v.target}), not a tensor")
+    if isinstance(v, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in v):
+        raise GraphRefused(f"{where} holds values computed in the graph")
+    try:
+        return _signature.encode_value(v)
+    except _signature.SignatureError as e:
+        raise GraphRefused(f"{where}: {e}") from None
+
+
+def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
+    """The graph signature of an AOTAutograd graph `gm` and how to call its executable (see GraphPlan)."""
+    placeholders: dict[torch.fx.Node, int] = {}
+    ext: dict[int, int] = {}       # placeholder index -> executable input index
+    ext_order: list[int] = []
+    produced: dict[torch.fx.Node, tuple[int, int]] = {}  # node -> (op index, output index)
+    nodes: list[dict[str, Any]] = []
+    copies: list[tuple[int, torch.fx.Node]] = []
+    ops: list[str] = []
+
+    def wire(v: torch.fx.Node, where: str) -> tuple[list[Any], dict[str, Any]]:
+        if v in placeholders:
+            p = placeholders[v]
+            if p not in ext:
+                ext[p] = len(ext_order)
+                ext_order.append(p)
+            return ["e", ext[p]], _meta(v, where)
+        if v in produced:
+            j, k = produced[v]
+            return (["n", j] if k == 0 else ["n", j, k]), _meta(v, where)
+        raise GraphRefused(f"{where} comes from {v.op} {v.target}, which is not compiled")
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            placeholders[node] = len(placeholders)
+            continue
+        if node.op == "output":
+            out_node = node
+            continue
+        if node.op != "call_function":
+            raise GraphRefused(f"node {node.name} is a {node.op} ({node.target})")
+        target = node.target
+        if target is operator.getitem:
+            src, k = node.args
+            if src not in produced or produced[src][1] != 0 or not isinstance(k, int):
+                raise GraphRefused(f"getitem of {src} is not of an op's outputs")
+            produced[node] = (produced[src][0], k)
+            continue
+        if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+            raise GraphRefused(f"{target} is not an aten op")
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            raise GraphRefused(f"{target} draws random numbers: run op by op, the CPU generator gives the "
+                               "same values as eager neuron")
+        if target is torch.ops.aten.copy_.default and node.args[0] in placeholders:
+            # An input mutation AOTAutograd kept in the graph: the executable returns the new value,
+            # the caller writes it into the input (as eager would, in place).
+            copies.append((placeholders[node.args[0]], node.args[1]))
+            continue
+        info = _info(target)
+        if info.kind == "mutating" or any(a.mutable for a in info.args):
+            raise GraphRefused(f"{info.qualname} mutates its inputs inside the graph")
+        schema = target._schema
+        args: list[list[Any]] = []
+        wiring: list[list[Any]] = []
+        for i, (a, sa) in enumerate(zip(info.args, schema.arguments)):
+            if i < len(node.args):
+                v = node.args[i]
+            elif a.name in node.kwargs:
+                v = node.kwargs[a.name]
+            else:
+                v = sa.default_value if sa.has_default_value() else None
+            where = f"{info.qualname} argument {a.name}"
+            if a.kind in (_ops.TENSOR, _ops.OPT_TENSOR) and isinstance(v, torch.fx.Node):
+                w, d = wire(v, where)
+                wiring.append(w)
+                args.append([a.name, a.kind, d])
+            elif a.kind in (_ops.TENSORS, _ops.OPT_TENSORS) and isinstance(v, (list, tuple)):
+                descs: list[Any] = []
+                for x in v:
+                    if x is None and a.kind == _ops.OPT_TENSORS:
+                        descs.append(None)
+                    elif isinstance(x, torch.fx.Node):
+                        w, d = wire(x, where)
+                        wiring.append(w)
+                        descs.append(d)
+                    else:
+                        raise GraphRefused(f"{where} holds {type(x).__name__}")
+                args.append([a.name, a.kind, descs])
+            elif a.kind == _ops.OPT_TENSOR and v is None:
+                args.append([a.name, a.kind, None])
+            elif a.kind in (_ops.GENERATOR, _ops.OTHER):
+                if v is not None:
+                    raise GraphRefused(f"{where} is a {type(v).__name__}")
+                args.append([a.name, _ops.VALUE, None])
+            else:  # Scalars, structural values, a number in a Tensor slot: specialised, keyed by value
+                args.append([a.name, _ops.VALUE, _value(v, where)])
+        produced[node] = (len(nodes), 0)
+        nodes.append({"sig": {"op": info.qualname, "schema": str(schema), "args": args}, "in": wiring})
+        ops.append(info.qualname)
+
+    results: list[list[Any]] = []
+    result_index: dict[tuple[int, int], int] = {}
+    on_device: list[bool] = []
+
+    def result(v: torch.fx.Node) -> int:
+        j, k = produced[v]
+        if (j, k) not in result_index:
+            result_index[(j, k)] = len(results)
+            results.append(j if k == 0 else [j, k])
+            val = _fake(v)
+            _meta(v, f"output {v.name}")
+            on_device.append(val.device.type == _DEVICE)
+        return result_index[(j, k)]
+
+    outputs: list[tuple[str, Any]] = []
+    for v in out_node.args[0]:
+        if v is None:
+            outputs.append(("const", None))
+        elif isinstance(v, torch.fx.Node) and v in placeholders:
+            outputs.append(("in", placeholders[v]))
+        elif isinstance(v, torch.fx.Node) and v in produced:
+            outputs.append(("x", result(v)))
+        else:
+            raise GraphRefused(f"graph output {v} is not a tensor the graph computes")
+    plan_copies: list[tuple[int, int]] = []
+    for p, src in copies:
+        if src in placeholders:
+            raise GraphRefused("an input is overwritten by another input")
+        if src not in produced:
+            raise GraphRefused(f"input {p} is overwritten by {src}, which is not compiled")
+        plan_copies.append((p, result(src)))
+    sig = {"op": f"graph:{kind}", "graph": nodes, "outputs": results}
+    return GraphPlan(sig, ext_order, outputs, on_device, plan_copies, len(nodes))
