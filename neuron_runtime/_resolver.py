@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import _config, _entries, _signature
+from . import _config, _entries, _shapes, _signature
 from .cache import CacheMissError, TieredCache
 from .compiler import CompileRefused, Compiler, Executable, get_compiler
 
@@ -42,11 +42,14 @@ class Resolver:
         self.on_evict = on_evict
         self.compiler: Compiler = get_compiler(cfg.compiler)
         self.fingerprint = self.compiler.fingerprint()
-        self.by_digest: dict[str, Executable] = {}
+        self.by_digest: dict[str, Executable] = {}  # key (exact, or a shape class's) -> executable
+        self.classes: dict[str, str] = {}  # exact key -> key of the shape class whose executable serves it
+        self.class_keys: set[str] = set()  # keys in by_digest that are shape classes'
         self._cache: TieredCache | None = None
         self._cache_opened = False
         self._background: Any = None
         self.seen: dict[str, int] = {}  # background mode: requests of keys not yet queued for compiling
+        self.refused_classes: dict[str, str] = {}  # class key -> why it has no generic executable
         self.recorder: Callable[[dict[str, Any], str], None] | None = None
         if cfg.record_file:
             from ._record import Recorder
@@ -88,7 +91,7 @@ class Resolver:
         background and the result is `(None, key)` until the executable is in the memory tier. Strict
         mode always waits (a miss is an error, never a background compile)."""
         digest = self.key(sig)
-        exe = self.by_digest.get(digest)
+        exe = self.executable(digest)
         if exe is not None:
             self.note(digest, [sig])  # e.g. a prefetched executable: the job used it
             return exe, digest
@@ -99,12 +102,35 @@ class Resolver:
         return self._resolve_background(digest, sig)
 
     def resolve_now(self, sig: dict[str, Any], digest: str | None = None) -> tuple[Executable, str]:
-        """Memory, tiers, compile, blocking until the executable exists (or raising)."""
+        """Memory, tiers, compile, blocking until the executable exists (or raising): the candidates in
+        order (a shape class, then the exact signature); a class that has no generic executable (a
+        refusal, cached like any) or, in strict mode, no entry, passes to the next candidate."""
         digest = digest or self.key(sig)
-        exe = self.by_digest.get(digest)
+        exe = self.executable(digest)
         if exe is None:
-            exe = self._load_or_compile(digest, sig)
-            exe = self.remember(digest, sig, exe)
+            candidates = self.candidates(sig)
+            for i, cand in enumerate(candidates):
+                k = digest if cand is sig else self.key(cand)
+                exe = self.by_digest.get(k)
+                if exe is not None:
+                    break
+                last = i + 1 == len(candidates)
+                if not last and k in self.refused_classes:
+                    continue
+                try:
+                    exe = self._load_or_compile(k, cand)
+                except (CompileRefused, CacheMissError) as e:
+                    if last:
+                        raise
+                    if isinstance(e, CompileRefused):
+                        with self.lock:
+                            self.refused_classes[k] = str(e)
+                    continue
+                exe = self.remember(k, cand, exe)
+                break
+            assert exe is not None
+            if k != digest:
+                self.link(digest, k)
         self.note(digest, [sig])
         return exe, digest
 
@@ -143,7 +169,9 @@ class Resolver:
                         cache.local.delete(k)
                     break
                 exe = self.remember(k, cand, exe)
-            return self.remember(digest, sig, exe), digest
+            if k != digest:
+                self.link(digest, k)
+            return exe, digest
         # A signature met once only (a decode step's KV length, a warm-up shape) is not worth a compile:
         # it is compiled from its `compile_after`-th request on (docs/background.md: the measurement).
         with self.lock:
@@ -155,8 +183,12 @@ class Resolver:
         return None, digest
 
     def candidates(self, sig: dict[str, Any]) -> list[dict[str, Any]]:
-        """The signatures whose executables can serve `sig`, most general first (the exact one last)."""
-        return [sig]
+        """The signatures whose executables can serve `sig`, most general first (the exact one last):
+        its shape class (`_shapes`, TORCH_NEURONX_SHAPES), then `sig`. Called on memory-tier misses only."""
+        if self.cfg.shapes == "static" or _shapes.is_class(sig) or not _shapes.policy_allows(self.cfg.shapes, sig):
+            return [sig]
+        cls = _shapes.shape_class(sig)
+        return [sig] if cls is None else [cls, sig]
 
     def load_entry(self, key: str, entry: Any) -> Executable:
         """A verified entry's executable (raises CompileRefused for a refusal entry)."""
@@ -166,7 +198,26 @@ class Resolver:
         return exe
 
     def has(self, key: str) -> bool:
-        return key in self.by_digest
+        return key in self.by_digest or self.classes.get(key) in self.by_digest
+
+    def executable(self, digest: str) -> Executable | None:
+        """The memory tier's executable for a key: its own, or its shape class's (`link`)."""
+        exe = self.by_digest.get(digest)
+        if exe is None:
+            k = self.classes.get(digest)
+            if k is not None:
+                exe = self.by_digest.get(k)
+        return exe
+
+    def link(self, digest: str, class_key: str) -> None:
+        """Exact key `digest` is served by the executable of shape class `class_key` (memory tier).
+        Links count towards TORCH_NEURONX_MEMORY_CACHE_ENTRIES like executables do: each is an entry of
+        a kernel's hit-path table."""
+        with self.lock:
+            if len(self.by_digest) + len(self.classes) >= self.cfg.memory_cache_entries:
+                self._evict()
+            self.classes[digest] = class_key
+        self.count("class_hits")  # a new shape of a known class: no compile
 
     def note(self, digest: str, candidates: list[dict[str, Any]]) -> None:
         """A key this process uses (its job's manifest records it; background mode only)."""
@@ -199,9 +250,11 @@ class Resolver:
             known = self.by_digest.get(digest)
             if known is not None:
                 return known
-            if len(self.by_digest) >= self.cfg.memory_cache_entries:
+            if len(self.by_digest) + len(self.classes) >= self.cfg.memory_cache_entries:
                 self._evict()
             self.by_digest[digest] = exe
+            if _shapes.is_class(sig):
+                self.class_keys.add(digest)
         if self.recorder is not None:
             self.recorder(sig, digest)
         return exe
@@ -210,14 +263,19 @@ class Resolver:
         """Bound the loaded executables (TORCH_NEURONX_MEMORY_CACHE_ENTRIES): drop the older half.
 
         Dropped executables reload from the local tier (milliseconds) when next needed. Oldest-first
-        rather than true LRU, so the hit path never pays for recency bookkeeping."""
+        rather than true LRU, so the hit path never pays for recency bookkeeping. The links to shape
+        classes all go (a dropped link costs one memory-tier lookup of its class, never a compile), and
+        with them the kernels' entries for the shapes they served (`live`)."""
         for digest in list(self.by_digest)[: max(1, len(self.by_digest) // 2)]:
             del self.by_digest[digest]
+            self.class_keys.discard(digest)
+        self.classes.clear()
         self.on_evict()
 
     def live(self) -> set[int]:
-        """ids of the executables the memory tier holds (for `on_evict` callers)."""
-        return {id(e) for e in self.by_digest.values()}
+        """ids of the executables the memory tier holds under exact keys (for `on_evict` callers: a shape
+        class's executable serves keys whose links `_evict` dropped)."""
+        return {id(e) for k, e in self.by_digest.items() if k not in self.class_keys}
 
     def _load_or_compile(self, digest: str, sig: dict[str, Any]) -> Executable:
         cache = self.cache
