@@ -103,15 +103,19 @@ class Resolver:
 
     def resolve_now(self, sig: dict[str, Any], digest: str | None = None) -> tuple[Executable, str]:
         """Memory, tiers, compile, blocking until the executable exists (or raising): the candidates in
-        order (a shape class, then the exact signature); a class that has no generic executable (a
-        refusal, cached like any) or, in strict mode, no entry, passes to the next candidate."""
+        order (a shape class, then the exact signature). An executable in memory or on local disk under
+        any candidate's key beats compiling an earlier one (e.g. the exact-shape entries of a runtime
+        that keyed no classes); a class that has no generic executable (a refusal, cached like any) or,
+        in strict mode, no entry, passes to the next candidate."""
         digest = digest or self.key(sig)
         exe = self.executable(digest)
         if exe is None:
             candidates = self.candidates(sig)
-            for i, cand in enumerate(candidates):
-                k = digest if cand is sig else self.key(cand)
-                exe = self.by_digest.get(k)
+            keys = [digest if cand is sig else self.key(cand) for cand in candidates]
+            found = self._known(candidates, keys) if len(candidates) > 1 else None
+            if found is not None:
+                exe, k = found
+            for i, (cand, k) in enumerate(zip(candidates, keys)):
                 if exe is not None:
                     break
                 last = i + 1 == len(candidates)
@@ -127,12 +131,35 @@ class Resolver:
                             self.refused_classes[k] = str(e)
                     continue
                 exe = self.remember(k, cand, exe)
-                break
             assert exe is not None
             if k != digest:
                 self.link(digest, k)
         self.note(digest, [sig])
         return exe, digest
+
+    def _known(self, candidates: list[dict[str, Any]], keys: list[str]) -> tuple[Executable, str] | None:
+        """The first candidate's executable found in memory or in the local tier, with its key; raises
+        CompileRefused if the exact signature's refusal is the first entry found."""
+        cache = self.cache
+        for cand, k in zip(candidates, keys):
+            exe = self.by_digest.get(k)
+            if exe is None and cache is not None:
+                entry = cache.get_local(k)
+                if entry is None or _entries.stale_refusal(entry):
+                    continue
+                if entry.header.get(_entries.REFUSED):
+                    if k == keys[-1]:
+                        raise CompileRefused(str(entry.header[_entries.REFUSED]))
+                    with self.lock:
+                        self.refused_classes[k] = str(entry.header[_entries.REFUSED])
+                    continue
+                try:
+                    exe = self.remember(k, cand, self.load_entry(k, entry))
+                except Exception:  # noqa: BLE001 - the compile path below handles (and counts) it
+                    continue
+            if exe is not None:
+                return exe, k
+        return None
 
     def _resolve_background(self, digest: str, sig: dict[str, Any]) -> tuple[Executable | None, str]:
         bg = self.background
