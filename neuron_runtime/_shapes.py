@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from typing import Any
 
 CLASS_VERSION = 1
@@ -47,7 +48,8 @@ def _size_args(qualname: str) -> frozenset[str]:
         op = _resolve(qualname)
     except Exception:  # noqa: BLE001 - an op we cannot look up: no size arguments known
         return frozenset()
-    return frozenset(a.name for a in op._schema.arguments if "SymInt" in str(a.type))
+    # The Python types of the schema say `int` for SymInt; its text keeps the distinction.
+    return frozenset(re.findall(r"SymInt(?:\[\d*\])?\??\s+(\w+)", str(op._schema)))
 
 
 def _ints(v: Any, out: set[int]) -> None:
