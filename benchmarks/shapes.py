@@ -87,6 +87,7 @@ for name, shapes in (("lengths", [(2, t) for t in LENGTHS]), ("batches", [(b, 4)
         now = compiles()
         per.append(now - last)
         last = now
+        print(f"{name} {b}x{t}: {per[-1]} compiles", file=sys.stderr, flush=True)
     out[name] = {"shapes": shapes, "compiles": per}
 
 with torch.no_grad():
@@ -102,6 +103,7 @@ with torch.no_grad():
         now = compiles()
         per.append(now - last)
         last = now
+        print(f"token {len(per)}: {per[-1]} compiles", file=sys.stderr, flush=True)
     out["generate"] = {"prompt_compiles": out_prompt, "per_token": per}
 
 def mlp_trainer(device):
@@ -153,11 +155,12 @@ def run(policy: str, tier: str, cache: str, steps: int, rounds: int) -> dict:  #
     env.update(TORCH_NEURONX_SHAPES=policy, TORCH_NEURONX_COMPILER=tier, TORCH_NEURONX_COMPILE_MODE="sync",
                TORCH_NEURONX_PREFETCH="0", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=os.path.join(cache, policy),
                OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", CHILD, str(steps), str(rounds)], env=env, capture_output=True,
+    # The child's progress (compiles per shape) goes to our stderr as it happens.
+    p = subprocess.run([sys.executable, "-c", CHILD, str(steps), str(rounds)], env=env, stdout=subprocess.PIPE,
                        text=True, timeout=4 * 3600)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if p.returncode != 0 or line is None:
-        raise SystemExit(f"{policy} run failed ({p.returncode}):\n{p.stderr[-3000:]}")
+        raise SystemExit(f"{policy} run failed ({p.returncode}); its stderr is above")
     return json.loads(line[len("RESULT "):])  # type: ignore[no-any-return]
 
 
