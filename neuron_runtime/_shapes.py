@@ -7,11 +7,13 @@ kernel depends on:
      sizes happen to become equal is another class, never a kernel that assumed them different;
   3. a size equal to an integer the op takes as a size argument (schema type `SymInt`: a `view`'s target
      sizes, `normalized_shape`, `num_weights`) stays literal: the kernel is specialised on it anyway;
-  4. strides are kept as expressions of the sizes (`1`, `s1`, `96*s0`): found as torch's own stride
+  4. the sizes inside a slice's row (dims whose strides come before a stride no product of inner sizes
+     explains, e.g. the head dim of `qkv[..., :64]`) stay literal: export bounds them by that stride;
+  5. strides are kept as expressions of the sizes (`1`, `s1`, `96*s0`): found as torch's own stride
      inference does, innermost dim first, each stride matched against the products of the sizes and
      strides already seen, else kept as a literal; a size-1 dim's stride is `*` (never read). Memory
      format, contiguity, transposes and slices of a larger tensor are therefore part of the class;
-  5. everything else (dtypes, ranks, structural arguments by value, run-time scalars by type) as in the
+  6. everything else (dtypes, ranks, structural arguments by value, run-time scalars by type) as in the
      exact signature.
 The class is itself a signature (`"shapes": CLASS_VERSION`) that carries the exact signature it was made
 from as its `"example"` (left out of the cache key): a compiler compiles the class from it. The resolver
@@ -88,6 +90,23 @@ def _static_sizes(sig: dict[str, Any]) -> set[int]:
     return fixed
 
 
+def _inside_gaps(values: list[int], strides: list[int]) -> set[int]:
+    """Sizes of the dims inside a stride gap (a slice's row: the dims whose strides come before a stride
+    that no product of inner sizes explains). They bound each other (export guards `s <= stride - 1` so
+    rows cannot overlap), so they stay static; the dims outside the gap stay free."""
+    fixed: set[int] = set()
+    known = {1}
+    inner: list[int] = []
+    for i in sorted(range(len(strides)), key=lambda i: (strides[i], -i)):
+        if values[i] == 1:
+            continue
+        if strides[i] not in known:
+            fixed.update(inner)
+        inner.append(values[i])
+        known.add(strides[i] * values[i])
+    return fixed
+
+
 def _stride_exprs(sizes: list[Any], values: list[int], strides: list[int]) -> list[Any]:
     """Each stride as an expression of the (symbolic) sizes: a literal int, a product "c*sA*sB", or ANY."""
     exprs: list[Any] = [None] * len(strides)
@@ -125,6 +144,8 @@ def _evaluate(expr: Any, env: dict[str, int], fill: int) -> int:
 def shape_class(sig: dict[str, Any]) -> dict[str, Any] | None:
     """The class signature of `sig`, or None if no size of it can be symbolic (the class would be `sig`)."""
     fixed = _static_sizes(sig)
+    for d in _tensors(sig):
+        fixed |= _inside_gaps(list(d["sizes"]), list(d["strides"]))
     symbol: dict[int, str] = {}
     cls = copy.deepcopy({k: v for k, v in sig.items() if k != "example"})
     for d in _tensors(cls):
