@@ -24,8 +24,8 @@ compiled and checked for.
 
 from __future__ import annotations
 
-import copy
 import functools
+import json
 import re
 from typing import Any
 
@@ -141,13 +141,20 @@ def _evaluate(expr: Any, env: dict[str, int], fill: int) -> int:
     return value
 
 
+def _copy(sig: dict[str, Any]) -> dict[str, Any]:
+    """A copy sharing nothing: a fused group's nodes may share one op signature object, and
+    `copy.deepcopy` would keep them shared (each would then be rewritten twice)."""
+    out: dict[str, Any] = json.loads(json.dumps(sig))
+    return out
+
+
 def shape_class(sig: dict[str, Any]) -> dict[str, Any] | None:
     """The class signature of `sig`, or None if no size of it can be symbolic (the class would be `sig`)."""
     fixed = _static_sizes(sig)
     for d in _tensors(sig):
         fixed |= _inside_gaps(list(d["sizes"]), list(d["strides"]))
     symbol: dict[int, str] = {}
-    cls = copy.deepcopy({k: v for k, v in sig.items() if k != "example"})
+    cls = _copy({k: v for k, v in sig.items() if k != "example"})
     for d in _tensors(cls):
         values = list(d["sizes"])
         sizes: list[Any] = []
@@ -177,7 +184,7 @@ def symbols(cls: dict[str, Any]) -> dict[str, int]:
 
 def instance(cls: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
     """The exact signature of the class for symbol values `env` (a size-1 dim gets a contiguous stride)."""
-    sig = copy.deepcopy({k: v for k, v in cls.items() if k not in ("shapes", "example")})
+    sig = _copy({k: v for k, v in cls.items() if k not in ("shapes", "example")})
     for d in _tensors(sig):
         sizes = [env[s] if isinstance(s, str) else s for s in d["sizes"]]
         strides = [_evaluate(e, env, 1) for e in d["strides"]]

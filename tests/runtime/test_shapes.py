@@ -187,3 +187,15 @@ def test_classes_survive_the_memory_bound(rt: _dispatch.Runtime, monkeypatch: py
     assert len(rt.by_digest) + len(rt.resolver.classes) <= 6
     assert sum(len(e) for _, e in _dispatch._EXES.values()) <= 6
     assert _compiles() <= 4  # mul and add, size 3 colliding with n == 3 once
+
+
+def test_a_fused_group_has_one_class_over_its_nodes() -> None:
+    xs = [torch.randn(5), torch.randn(3, 4)]
+    mul = sig_of("aten::_foreach_mul.Scalar", xs, 0.9)
+    # the same op twice in a group: both nodes hold one signature object (as fusion builds them)
+    graph = {"op": "fused:_foreach_mul.Scalar+_foreach_mul.Scalar",
+             "graph": [{"sig": mul, "in": [["e", 0], ["e", 1]]}, {"sig": mul, "in": [["n", 0, 0], ["n", 0, 1]]}],
+             "outputs": [[1, 0], [1, 1]]}
+    cls = _shapes.shape_class(graph)
+    assert cls is not None and _shapes.describe(cls) == "[s0] [s1,s2] [s0] [s1,s2]"
+    assert _shapes.instance(cls, _shapes.symbols(cls)) == graph and mul["args"][0][2][0]["sizes"] == [5]
