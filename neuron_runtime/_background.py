@@ -377,19 +377,20 @@ class Background:
                 e = found.get(ck)
                 if e is None or e.header.get(_entries.REFUSED):
                     continue
-                exe = self.resolver.executable(ck)
-                if exe is None:
+                loaded = False
+                if self.resolver.executable(ck) is None:
                     try:
                         exe = self.resolver.load_entry(ck, e)
                     except Exception:  # noqa: BLE001 - it loads (or is replaced) when an op needs it
                         continue
                     self.resolver.remember(ck, cand, exe)
+                    loaded = True
                 if ck != k:
                     self.resolver.link(k, ck)
                 served.add(k)
                 with self.cv:
                     self.prefetched.add(k)
-                    self.counts["prefetched"] += 1
+                    self.counts["prefetched"] += loaded  # executables loaded (a class's serves many keys)
                     if k in self.used:
                         self.counts["prefetch_hits"] += 1
                 break
