@@ -212,7 +212,7 @@ class Resolver:
     def candidates(self, sig: dict[str, Any]) -> list[dict[str, Any]]:
         """The signatures whose executables can serve `sig`, most general first (the exact one last):
         its shape class (`_shapes`, TORCH_NEURONX_SHAPES), then `sig`. Called on memory-tier misses only."""
-        if self.cfg.shapes == "static" or _shapes.is_class(sig) or not _shapes.policy_allows(self.cfg.shapes, sig):
+        if _shapes.is_class(sig) or not _shapes.policy_allows(self.cfg.shapes, sig):
             return [sig]
         cls = _shapes.shape_class(sig)
         return [sig] if cls is None else [cls, sig]

@@ -198,11 +198,6 @@ def other_instance(cls: dict[str, Any]) -> dict[str, Any]:
     return instance(cls, {s: n + 1 for s, n in symbols(cls).items()})
 
 
-def tensor_symbols(cls: dict[str, Any]) -> list[list[Any]]:
-    """Per tensor description (in `_tensors` order), its sizes: ints and symbol names."""
-    return [list(d["sizes"]) for d in _tensors(cls)]
-
-
 def describe(sig: dict[str, Any]) -> str:
     """The shapes of a signature's tensors, e.g. `[s0,s1,32] [32]` (for `neuron-cache ls/explain`)."""
     return " ".join("[" + ",".join(str(n) for n in d["sizes"]) + "]" for d in _tensors(sig))
@@ -223,4 +218,4 @@ STATIC_OPS: dict[str, str] = {}
 
 
 __all__ = ["CLASS_VERSION", "describe", "instance", "is_class", "other_instance", "policy_allows",
-           "shape_class", "symbols", "tensor_symbols"]
+           "shape_class", "symbols"]
