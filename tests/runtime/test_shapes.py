@@ -199,3 +199,14 @@ def test_a_fused_group_has_one_class_over_its_nodes() -> None:
     cls = _shapes.shape_class(graph)
     assert cls is not None and _shapes.describe(cls) == "[s0] [s1,s2] [s0] [s1,s2]"
     assert _shapes.instance(cls, _shapes.symbols(cls)) == graph and mul["args"][0][2][0]["sizes"] == [5]
+
+
+def test_a_class_line_without_its_example_is_a_clear_error() -> None:
+    from neuron_runtime import _record
+
+    cls = cls_of("aten::neg", torch.randn(3, 4))
+    assert _record.check_signature(cls) is cls
+    with pytest.raises(ValueError, match="no 'example'"):
+        _record.check_signature({k: v for k, v in cls.items() if k != "example"})
+    with pytest.raises(ValueError, match="its example: signature has no 'args'"):
+        _record.check_signature({**cls, "example": {"op": "aten::neg", "schema": ""}})
