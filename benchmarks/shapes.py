@@ -13,6 +13,7 @@ starts), doing the same work:
      ratios, and `generic_vs_static` their quotient.
 
     python benchmarks/shapes.py [--tier reference|aoti] [--rounds R] [--steps N] [--cache-dir DIR]
+    python benchmarks/shapes.py --kernels [--tier aoti]   # a static vs a generic executable, per op
 
 On `aoti` every compile is real (minutes per policy); --cache-dir keeps the executables between runs.
 Sizes are chosen so that no sequence length, batch size or KV length equals a model dimension: equal sizes
@@ -150,6 +151,49 @@ print("RESULT " + json.dumps(out))
 """
 
 
+KERNELS = r"""
+import json, statistics, sys, time, torch
+from neuron_runtime import _ops, _shapes, _signature
+from neuron_runtime.compiler import get_compiler
+torch.set_num_threads(1)
+rounds, n = int(sys.argv[1]), int(sys.argv[2])
+comp = get_compiler(sys.argv[3])
+cases = {"add_64": ("aten::add.Tensor", lambda: (torch.randn(64), torch.randn(64), 1)),
+         "mm_128": ("aten::mm", lambda: (torch.randn(128, 128), torch.randn(128, 128))),
+         "sum_rows_256x64": ("aten::sum.dim_IntList", lambda: (torch.randn(256, 64), [1], False, None))}
+out = {}
+for name, (op, make) in cases.items():
+    info = _ops.classify(op)
+    values = make()
+    sig = _signature.build(info, values)
+    exes = {"static": comp.load(comp.compile(sig)), "generic": comp.load(comp.compile(_shapes.shape_class(sig)))}
+    from neuron_runtime._dispatch import flatten
+    tensors, scalars = flatten(info, values)
+    times = {k: [] for k in exes}
+    for _ in range(rounds):
+        for k, exe in exes.items():
+            t = time.perf_counter()
+            for _ in range(n):
+                exe(tensors, scalars)
+            times[k].append((time.perf_counter() - t) / n * 1e6)
+    out[name] = {"static_us": round(statistics.median(times["static"]), 2),
+                 "generic_us": round(statistics.median(times["generic"]), 2),
+                 "generic_vs_static": round(statistics.median(g / s for g, s in zip(times["generic"], times["static"])), 3)}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def kernels(tier: str, rounds: int) -> dict:  # type: ignore[type-arg]
+    """Per op, a static and a generic executable of the same shape called directly, interleaved."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", KERNELS, str(rounds), "2000", tier], env=env,
+                       stdout=subprocess.PIPE, text=True, timeout=3600)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        raise SystemExit(f"kernel comparison failed ({p.returncode}); its stderr is above")
+    return json.loads(line[len("RESULT "):])  # type: ignore[no-any-return]
+
+
 def run(policy: str, tier: str, cache: str, steps: int, rounds: int) -> dict:  # type: ignore[type-arg]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
     env.update(TORCH_NEURONX_SHAPES=policy, TORCH_NEURONX_COMPILER=tier, TORCH_NEURONX_COMPILE_MODE="sync",
@@ -172,7 +216,12 @@ def main() -> int:
     ap.add_argument("--cache-dir", help="keep the executables here (default: a fresh temporary directory)")
     ap.add_argument("--policies", default="static,generic",
                     help="comma-separated TORCH_NEURONX_SHAPES values to run (aoti static: ~1,000 compiles)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="only compare a static and a generic executable per op (add, mm, a row sum), called directly")
     args = ap.parse_args()
+    if args.kernels:
+        print(json.dumps({"tier": args.tier, "kernels": kernels(args.tier, args.rounds)}, indent=1))
+        return 0
     with tempfile.TemporaryDirectory(prefix="neuron-shapes-bench-") as tmp:
         cache = args.cache_dir or tmp
         res = {p: run(p, args.tier, cache, args.steps, args.rounds) for p in args.policies.split(",")}
