@@ -113,29 +113,29 @@ class Resolver:
             candidates = self.candidates(sig)
             keys = [digest if cand is sig else self.key(cand) for cand in candidates]
             found = self._known(candidates, keys) if len(candidates) > 1 else None
-            if found is not None:
-                exe, k = found
-            for i, (cand, k) in enumerate(zip(candidates, keys)):
-                if exe is not None:
-                    break
-                last = i + 1 == len(candidates)
-                if not last and k in self.refused_classes:
-                    continue
-                try:
-                    exe = self._load_or_compile(k, cand)
-                except (CompileRefused, CacheMissError) as e:
-                    if last:
-                        raise
-                    if isinstance(e, CompileRefused):
-                        with self.lock:
-                            self.refused_classes[k] = str(e)
-                    continue
-                exe = self.remember(k, cand, exe)
-            assert exe is not None
+            exe, k = found or self._compile_first(candidates, keys)
             if k != digest:
                 self.link(digest, k)
         self.note(digest, [sig])
         return exe, digest
+
+    def _compile_first(self, candidates: list[dict[str, Any]], keys: list[str]) -> tuple[Executable, str]:
+        """The first candidate's executable the tiers or the compiler give, with its key."""
+        for i, (cand, k) in enumerate(zip(candidates, keys)):
+            last = i + 1 == len(candidates)
+            if not last and k in self.refused_classes:
+                continue
+            try:
+                exe = self._load_or_compile(k, cand)
+            except (CompileRefused, CacheMissError) as e:
+                if last:
+                    raise
+                if isinstance(e, CompileRefused):
+                    with self.lock:
+                        self.refused_classes[k] = str(e)
+                continue
+            return self.remember(k, cand, exe), k
+        raise AssertionError("unreachable: the last candidate raises or returns")
 
     def _known(self, candidates: list[dict[str, Any]], keys: list[str]) -> tuple[Executable, str] | None:
         """The first candidate's executable found in memory or in the local tier, with its key; raises
