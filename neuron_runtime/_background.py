@@ -327,10 +327,12 @@ class Background:
                     self.refused[k] = why or "not compiled"
             self.counts["loaded" if exe is not None else "refused"] += 1
         if exe is not None:
-            for k, sig in job.keys.items():
-                self.resolver.remember(k, sig, exe)
-            if found is not None and found not in job.keys:
-                self.resolver.remember(found, job.candidates[0], exe)
+            found = found or job_key
+            cand = next((c for c in job.candidates if self.resolver.key(c) == found), job.candidates[-1])
+            self.resolver.remember(found, cand, exe)
+            for k in job.keys:
+                if k != found:
+                    self.resolver.link(k, found)
         with self.cv:
             self.cv.notify_all()
 
@@ -381,25 +383,37 @@ class Background:
             if cache.fleet is not None and mkey not in cache.fleet.contains_many([mkey]):
                 self.republish = True  # found locally only: the fleet store gets it too
                 self.dirty_since = time.monotonic()
+        # An entry is found under one of its candidates' keys (a shape class's, or the exact one's).
         wanted = [k for k in items if not self.resolver.has(k)]
-        found = cache.get_many(wanted) if wanted else {}
-        for k, e in found.items():
-            if e.header.get(_entries.REFUSED):
-                continue
-            try:
-                exe = self.resolver.load_entry(k, e)
-            except Exception:  # noqa: BLE001 - it loads (or is replaced) when an op needs it
-                continue
-            self.resolver.remember(k, items[k][0], exe)
-            with self.cv:
-                self.prefetched.add(k)
-                self.counts["prefetched"] += 1
-                if k in self.used:
-                    self.counts["prefetch_hits"] += 1
+        keys = {k: [self.resolver.key(c) for c in items[k]] for k in wanted}
+        found = cache.get_many(sorted({ck for cks in keys.values() for ck in cks})) if wanted else {}
+        served: set[str] = set()
+        for k in wanted:
+            for ck, cand in zip(keys[k], items[k]):
+                e = found.get(ck)
+                if e is None or e.header.get(_entries.REFUSED):
+                    continue
+                loaded = False
+                if self.resolver.executable(ck) is None:
+                    try:
+                        exe = self.resolver.load_entry(ck, e)
+                    except Exception:  # noqa: BLE001 - it loads (or is replaced) when an op needs it
+                        continue
+                    self.resolver.remember(ck, cand, exe)
+                    loaded = True
+                if ck != k:
+                    self.resolver.link(k, ck)
+                served.add(k)
+                with self.cv:
+                    self.prefetched.add(k)
+                    self.counts["prefetched"] += loaded  # executables loaded (a class's serves many keys)
+                    if k in self.used:
+                        self.counts["prefetch_hits"] += 1
+                break
         if self.cfg.cache_mode == "strict":
             return  # strict: a miss is an error when it happens, never a background compile
         for k in wanted:
-            if k not in found and not self.resolver.has(k):
+            if k not in served and not self.resolver.has(k):
                 self.request(k, items[k][-1], items[k], priority=1)
 
     def _write_manifest(self) -> None:

@@ -84,6 +84,8 @@ class Config:
     compile_after: int = 2  # a key is compiled once it was asked for this many times (1: on first sight)
     job: str | None = None
     prefetch: bool = True
+    # shape classes (docs/dispatch.md): static | generic | auto
+    shapes: str = "auto"
 
 
 # name -> (field, parser). The README's table lists exactly these.
@@ -118,6 +120,7 @@ _VARS: dict[str, tuple[str, object]] = {
     "TORCH_NEURONX_COMPILE_AFTER": ("compile_after", int),
     "TORCH_NEURONX_JOB": ("job", str),
     "TORCH_NEURONX_PREFETCH": ("prefetch", lambda v: _flag(v, True)),
+    "TORCH_NEURONX_SHAPES": ("shapes", str.lower),
 }
 # Read elsewhere (signing key material; the native layer, loaded before any Config), listed so they are
 # not reported as unknown.
@@ -126,6 +129,7 @@ _OTHER_KNOWN = {"TORCH_NEURONX_CACHE_SIGNING_KEY", "TORCH_NEURONX_CACHE_SIGNING_
 _COMPILERS = ("aoti", "reference")
 _MODES = ("readwrite", "readonly", "strict")
 _COMPILE_MODES = ("background", "sync")
+_SHAPES = ("auto", "generic", "static")
 
 
 class ConfigError(ValueError):
@@ -171,6 +175,8 @@ def load(env: dict[str, str] | None = None) -> Config:
     if cfg.compile_mode not in _COMPILE_MODES:
         raise ConfigError(f"TORCH_NEURONX_COMPILE_MODE={cfg.compile_mode!r}: choose one of "
                           f"{', '.join(_COMPILE_MODES)}")
+    if cfg.shapes not in _SHAPES:
+        raise ConfigError(f"TORCH_NEURONX_SHAPES={cfg.shapes!r}: choose one of {', '.join(_SHAPES)}")
     if cfg.compile_workers < 1:
         raise ConfigError(f"TORCH_NEURONX_COMPILE_WORKERS={cfg.compile_workers}: need at least 1")
     return cfg

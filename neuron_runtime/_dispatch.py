@@ -180,7 +180,8 @@ class Runtime:
         # One dict of counters, shared with the resolver's TieredCache (which adds hits["local"/"fleet"],
         # misses, compiles, corrupt, fleet_errors, writes_skipped, lease_waits).
         self.counts: dict[str, Any] = {"executions": 0, "compiles": 0, "fallbacks": 0, "corrupt": 0,
-                                       "misses": 0, "host_ops": 0, "host_runs": 0, "loads": 0, "widened": 0,
+                                       "misses": 0, "class_hits": 0, "host_ops": 0, "host_runs": 0, "loads": 0,
+                                       "widened": 0,
                                        "hits": {"memory": 0}}
         self.waiting: dict[tuple[str, Any], str] = {}  # (op, key) -> cache key compiling in the background
         self.resolver = _resolver.Resolver(cfg, self.counts, self.lock, on_evict=self._evicted)
@@ -291,7 +292,7 @@ class Runtime:
             return self.host_or_widen(info, key, values, host_values, fallback=True)[0]
         # Background mode: a key whose executable is being compiled runs on the host meanwhile.
         waited = self.waiting.get((info.qualname, key))
-        if waited is not None and waited not in self.resolver.by_digest and \
+        if waited is not None and not self.resolver.has(waited) and \
                 self.resolver.background.lookup(waited)[0]:
             return self.host_or_widen(info, key, values, host_values, counter="host_runs")[0]
         try:

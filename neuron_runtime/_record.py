@@ -80,6 +80,13 @@ def check_signature(sig: Any) -> dict[str, Any]:
     for i, a in enumerate(args):
         if not (isinstance(a, list) and len(a) == 3 and isinstance(a[0], str) and isinstance(a[1], str)):
             raise ValueError(f"args[{i}] must be [name, kind, descriptor]")
+    if "shapes" in sig:  # a shape class (docs/dispatch.md) carries the exact signature it was made from
+        if not isinstance(sig.get("example"), dict):
+            raise ValueError("a shape-class signature ('shapes') has no 'example' signature")
+        try:
+            check_signature(sig["example"])
+        except ValueError as e:
+            raise ValueError(f"its example: {e}") from None
     return sig
 
 

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import _config, _entries, _signature
+from . import _config, _entries, _shapes, _signature
 from .cache import CacheMissError, TieredCache
 from .compiler import CompileRefused, Compiler, Executable, get_compiler
 
@@ -42,13 +42,16 @@ class Resolver:
         self.on_evict = on_evict
         self.compiler: Compiler = get_compiler(cfg.compiler)
         self.fingerprint = self.compiler.fingerprint()
-        self.by_digest: dict[str, Executable] = {}
+        self.by_digest: dict[str, Executable] = {}  # key (exact, or a shape class's) -> executable
+        self.classes: dict[str, str] = {}  # exact key -> key of the shape class whose executable serves it
+        self.class_keys: set[str] = set()  # keys in by_digest that are shape classes'
         self._cache: TieredCache | None = None
         self._cache_opened = False
         self._background: Any = None
         self.seen: dict[str, int] = {}  # background mode: requests of keys not yet queued for compiling
         self.compile_kinds: dict[str, int] = {"op": 0, "fused": 0, "graph": 0}  # compiles this process caused
         self._kinds_lock = threading.Lock()  # its own: callers may hold the runtime's lock, or the cache's
+        self.refused_classes: dict[str, str] = {}  # class key -> why it has no generic executable
         self.recorder: Callable[[dict[str, Any], str], None] | None = None
         if cfg.record_file:
             from ._record import Recorder
@@ -90,7 +93,7 @@ class Resolver:
         background and the result is `(None, key)` until the executable is in the memory tier. Strict
         mode always waits (a miss is an error, never a background compile)."""
         digest = self.key(sig)
-        exe = self.by_digest.get(digest)
+        exe = self.executable(digest)
         if exe is not None:
             self.note(digest, [sig])  # e.g. a prefetched executable: the job used it
             return exe, digest
@@ -101,14 +104,64 @@ class Resolver:
         return self._resolve_background(digest, sig)
 
     def resolve_now(self, sig: dict[str, Any], digest: str | None = None) -> tuple[Executable, str]:
-        """Memory, tiers, compile, blocking until the executable exists (or raising)."""
+        """Memory, tiers, compile, blocking until the executable exists (or raising): the candidates in
+        order (a shape class, then the exact signature). An executable in memory or on local disk under
+        any candidate's key beats compiling an earlier one (e.g. the exact-shape entries of a runtime
+        that keyed no classes); a class that has no generic executable (a refusal, cached like any) or,
+        in strict mode, no entry, passes to the next candidate."""
         digest = digest or self.key(sig)
-        exe = self.by_digest.get(digest)
+        exe = self.executable(digest)
         if exe is None:
-            exe = self._load_or_compile(digest, sig)
-            exe = self.remember(digest, sig, exe)
+            candidates = self.candidates(sig)
+            keys = [digest if cand is sig else self.key(cand) for cand in candidates]
+            found = self._known(candidates, keys) if len(candidates) > 1 else None
+            exe, k = found or self._compile_first(candidates, keys)
+            if k != digest:
+                self.link(digest, k)
         self.note(digest, [sig])
         return exe, digest
+
+    def _compile_first(self, candidates: list[dict[str, Any]], keys: list[str]) -> tuple[Executable, str]:
+        """The first candidate's executable the tiers or the compiler give, with its key."""
+        for i, (cand, k) in enumerate(zip(candidates, keys)):
+            last = i + 1 == len(candidates)
+            if not last and k in self.refused_classes:
+                continue
+            try:
+                exe = self._load_or_compile(k, cand)
+            except (CompileRefused, CacheMissError) as e:
+                if last:
+                    raise
+                if isinstance(e, CompileRefused):
+                    with self.lock:
+                        self.refused_classes[k] = str(e)
+                continue
+            return self.remember(k, cand, exe), k
+        raise AssertionError("unreachable: the last candidate raises or returns")
+
+    def _known(self, candidates: list[dict[str, Any]], keys: list[str]) -> tuple[Executable, str] | None:
+        """The first candidate's executable found in memory or in the local tier, with its key; raises
+        CompileRefused if the exact signature's refusal is the first entry found."""
+        cache = self.cache
+        for cand, k in zip(candidates, keys):
+            exe = self.by_digest.get(k)
+            if exe is None and cache is not None:
+                entry = cache.get_local(k)
+                if entry is None or _entries.stale_refusal(entry):
+                    continue
+                if entry.header.get(_entries.REFUSED):
+                    if k == keys[-1]:
+                        raise CompileRefused(str(entry.header[_entries.REFUSED]))
+                    with self.lock:
+                        self.refused_classes[k] = str(entry.header[_entries.REFUSED])
+                    continue
+                try:
+                    exe = self.remember(k, cand, self.load_entry(k, entry))
+                except Exception:  # noqa: BLE001 - the compile path below handles (and counts) it
+                    continue
+            if exe is not None:
+                return exe, k
+        return None
 
     def _resolve_background(self, digest: str, sig: dict[str, Any]) -> tuple[Executable | None, str]:
         bg = self.background
@@ -145,7 +198,9 @@ class Resolver:
                         cache.local.delete(k)
                     break
                 exe = self.remember(k, cand, exe)
-            return self.remember(digest, sig, exe), digest
+            if k != digest:
+                self.link(digest, k)
+            return exe, digest
         # A signature met once only (a decode step's KV length, a warm-up shape) is not worth a compile:
         # it is compiled from its `compile_after`-th request on (docs/background.md: the measurement).
         with self.lock:
@@ -157,8 +212,12 @@ class Resolver:
         return None, digest
 
     def candidates(self, sig: dict[str, Any]) -> list[dict[str, Any]]:
-        """The signatures whose executables can serve `sig`, most general first (the exact one last)."""
-        return [sig]
+        """The signatures whose executables can serve `sig`, most general first (the exact one last):
+        its shape class (`_shapes`, TORCH_NEURONX_SHAPES), then `sig`. Called on memory-tier misses only."""
+        if _shapes.is_class(sig) or not _shapes.policy_allows(self.cfg.shapes, sig):
+            return [sig]
+        cls = _shapes.shape_class(sig)
+        return [sig] if cls is None else [cls, sig]
 
     def load_entry(self, key: str, entry: Any) -> Executable:
         """A verified entry's executable (raises CompileRefused for a refusal entry)."""
@@ -168,7 +227,26 @@ class Resolver:
         return exe
 
     def has(self, key: str) -> bool:
-        return key in self.by_digest
+        return key in self.by_digest or self.classes.get(key) in self.by_digest
+
+    def executable(self, digest: str) -> Executable | None:
+        """The memory tier's executable for a key: its own, or its shape class's (`link`)."""
+        exe = self.by_digest.get(digest)
+        if exe is None:
+            k = self.classes.get(digest)
+            if k is not None:
+                exe = self.by_digest.get(k)
+        return exe
+
+    def link(self, digest: str, class_key: str) -> None:
+        """Exact key `digest` is served by the executable of shape class `class_key` (memory tier).
+        Links count towards TORCH_NEURONX_MEMORY_CACHE_ENTRIES like executables do: each is an entry of
+        a kernel's hit-path table."""
+        with self.lock:
+            if len(self.by_digest) + len(self.classes) >= self.cfg.memory_cache_entries:
+                self._evict()
+            self.classes[digest] = class_key
+        self.count("class_hits")  # a new shape of a known class: no compile
 
     def note(self, digest: str, candidates: list[dict[str, Any]]) -> None:
         """A key this process uses (its job's manifest records it; background mode only)."""
@@ -201,9 +279,11 @@ class Resolver:
             known = self.by_digest.get(digest)
             if known is not None:
                 return known
-            if len(self.by_digest) >= self.cfg.memory_cache_entries:
+            if len(self.by_digest) + len(self.classes) >= self.cfg.memory_cache_entries:
                 self._evict()
             self.by_digest[digest] = exe
+            if _shapes.is_class(sig):
+                self.class_keys.add(digest)
         if self.recorder is not None:
             self.recorder(sig, digest)
         return exe
@@ -212,14 +292,19 @@ class Resolver:
         """Bound the loaded executables (TORCH_NEURONX_MEMORY_CACHE_ENTRIES): drop the older half.
 
         Dropped executables reload from the local tier (milliseconds) when next needed. Oldest-first
-        rather than true LRU, so the hit path never pays for recency bookkeeping."""
+        rather than true LRU, so the hit path never pays for recency bookkeeping. The links to shape
+        classes all go (a dropped link costs one memory-tier lookup of its class, never a compile), and
+        with them the kernels' entries for the shapes they served (`live`)."""
         for digest in list(self.by_digest)[: max(1, len(self.by_digest) // 2)]:
             del self.by_digest[digest]
+            self.class_keys.discard(digest)
+        self.classes.clear()
         self.on_evict()
 
     def live(self) -> set[int]:
-        """ids of the executables the memory tier holds (for `on_evict` callers)."""
-        return {id(e) for e in self.by_digest.values()}
+        """ids of the executables the memory tier holds under exact keys (for `on_evict` callers: a shape
+        class's executable serves keys whose links `_evict` dropped)."""
+        return {id(e) for k, e in self.by_digest.items() if k not in self.class_keys}
 
     def _load_or_compile(self, digest: str, sig: dict[str, Any]) -> Executable:
         cache = self.cache

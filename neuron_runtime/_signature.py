@@ -135,5 +135,10 @@ def canonical(obj: Any) -> bytes:
 
 
 def cache_key(signature: dict[str, Any], fingerprint: dict[str, Any]) -> str:
-    """sha256 of the canonical JSON of signature + compiler fingerprint + format version."""
+    """sha256 of the canonical JSON of signature + compiler fingerprint + format version.
+
+    A shape class's `example` (the exact signature it was first made from, `_shapes`) is not part of its
+    key: every shape of the class finds the same entry."""
+    if "example" in signature:
+        signature = {k: v for k, v in signature.items() if k != "example"}
     return hashlib.sha256(canonical({"v": FORMAT_VERSION, "sig": signature, "fp": fingerprint})).hexdigest()

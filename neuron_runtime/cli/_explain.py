@@ -19,6 +19,9 @@ compared field by field and the differences are named by the part of the key the
                                    a torch.compile graph or fused group: the node (`graph[i]`) whose op
                                    signature differs and how, which inputs a node reads, the node count
 
+A signature whose exact key misses but whose shape class (docs/dispatch.md) has an executable is a hit:
+"new shape, same class: no compile" (unless TORCH_NEURONX_SHAPES=static).
+
 Candidates are ranked by the number of differing parts (another op counts as far away). Headers are read
 without verifying the entry (this is a diagnosis; nothing is loaded).
 """
@@ -32,7 +35,7 @@ import re
 import sys
 from typing import Any
 
-from neuron_runtime import _ops, _record, _signature
+from neuron_runtime import _ops, _record, _shapes, _signature
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, UsageError
 
@@ -274,7 +277,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
             k = _signature.cache_key(sig, fp)
             hit = [t for t, ek, _ in entries if ek == k]
             res: dict[str, Any] = {"key": k, "op": sig.get("op"), "hit": bool(hit), "tier": hit[0] if hit else None}
-            if not hit:
+            cls = None if hit or cfg.shapes == "static" else _shapes.shape_class(sig)
+            if cls is not None:
+                # A new shape of a class with an executable: the runtime links it, nothing compiles.
+                ck = _signature.cache_key(cls, fp)
+                served = [t for t, ek, h in entries if ek == ck and not h.get("refused")]
+                if served:
+                    res.update(hit=True, tier=served[0], class_key=ck, shapes=_shapes.describe(cls))
+            if not res["hit"]:
                 ranked = sorted(((compare(sig, fp, h), t, ek, h) for t, ek, h in entries),
                                 key=lambda r: (r[0][0], r[1], r[2]))
                 res["closest"] = [
@@ -290,6 +300,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         _common.print_json(results if len(results) != 1 else results[0])
     else:
         for r in results:
+            if r.get("class_key"):
+                print(f"HIT   {r['op']} key {r['key']}: new shape, same class: no compile (class {r['shapes']}, "
+                      f"key {r['class_key']} in the {r['tier']} tier)")
+                continue
             if r["hit"]:
                 print(f"HIT   {r['op']} key {r['key']} is in the {r['tier']} tier")
                 continue

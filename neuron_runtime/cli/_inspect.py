@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from neuron_runtime import _config, envelope
+from neuron_runtime import _config, _shapes, envelope
 from neuron_runtime.cache import CacheError, IntegrityError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, UsageError
@@ -95,6 +95,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                              "op": op, "compiler": (h.get("fingerprint") or {}).get("tier"),
                              "created": h.get("created"), "producer": h.get("producer"),
                              "refused": h.get("refused"),  # a cached compiler refusal (no executable)
+                             # a shape class's entry serves every shape of its class (docs/dispatch.md)
+                             "shape_class": _shapes.is_class(h.get("signature") or {}),
+                             "shapes": _describe(h.get("signature")),
                              "readable": header is not None})
     finally:
         _common.close_tiers(tiers)
@@ -102,12 +105,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         _common.print_json(rows)
         return 0
-    print(f"{'KEY':<14}{'TIER':<7}{'SIZE':>11}{'USED':>8}  {'COMPILER':<10}OP")
+    print(f"{'KEY':<14}{'TIER':<7}{'SIZE':>11}{'USED':>8}  {'COMPILER':<10}{'SHAPES':<7}OP")
     for r in rows:
         print(f"{r['key'][:12]:<14}{r['tier']:<7}{_common.human_size(r['size']):>11}"
               f"{_common.human_age(max(0.0, now - r['mtime'])):>8}  {str(r['compiler'] or '?'):<10}"
-              f"{r['op'] or '(unreadable header: run verify)'}" + (" (refused: runs on the host)" if r["refused"] else ""))
+              f"{'class' if r['shape_class'] else 'exact':<7}"
+              f"{r['op'] or '(unreadable header: run verify)'} {r['shapes']}".rstrip()
+              + (" (refused: runs on the host)" if r["refused"] else ""))
     return 0
+
+
+def _describe(sig: Any) -> str:
+    """The tensor shapes of a signature (`[s0,s1,64] [64]` for a class), or "" if it has none readable."""
+    try:
+        return _shapes.describe(sig) if isinstance(sig, dict) else ""
+    except (KeyError, TypeError, ValueError):
+        return ""
 
 
 # ------------------------------------------------------------------------------------------ stats

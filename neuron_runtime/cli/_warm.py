@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from neuron_runtime import _config, _record, _signature, envelope
+from neuron_runtime import _config, _record, _shapes, _signature, envelope
 from neuron_runtime.cache import CacheError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, JobError, UsageError
@@ -336,7 +336,9 @@ class _Pool:
 
         work: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
         for i, sig in tasks:
-            work.put((i, {"signature": sig}))
+            # A shape class falls back to the exact shape it was recorded with when the tier has no
+            # generic executable for it (the worker tries the candidates in order).
+            work.put((i, {"signatures": [sig, sig["example"]]} if _shapes.is_class(sig) else {"signature": sig}))
         results: dict[int, dict[str, Any]] = {}
         all_done = threading.Event()
         lock = threading.Lock()

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .. import _config, _ops, _signature
+from .. import _config, _ops, _shapes, _signature
 from . import _toolchain
 from ._base import CompileRefused, Compiler, Executable
 from ._reference import _resolve, build_call, build_graph
@@ -127,23 +127,32 @@ class AotiCompiler(Compiler):
             _toolchain.check_host(self.march)
         except _toolchain.ToolchainError as e:
             raise CompileRefused(f"{qualname}: {e}") from e
-        into = [int(i) for _, i in signature.get("into", [])]  # inputs a fused group writes in place
-        if "graph" in signature:  # a fused group (neuron_runtime.fusion)
-            run = build_graph(signature, wrapped_as_tensors=True,
+        # A shape class (`_shapes`) compiles from its example, the exact signature it was made from, with
+        # its symbolic sizes as dynamic dims; the self-check then runs a second shape of the class too.
+        cls = signature if _shapes.is_class(signature) else None
+        exact = signature["example"] if cls is not None else signature
+        into = [int(i) for _, i in exact.get("into", [])]  # inputs a fused group writes in place
+        if "graph" in exact:  # a fused group (neuron_runtime.fusion)
+            run = build_graph(exact, wrapped_as_tensors=True,
                               choose=lambda sig, op: _per_element(sig["op"], op, sig) or op)
-            signature = graph_inputs(signature)
+            flat = graph_inputs(exact)
+            others = [graph_inputs(_shapes.other_instance(cls))] if cls is not None else []
+            dynamic = _dynamic_dims(graph_inputs(cls)) if cls is not None else None
         else:
             op = _resolve(qualname)
-            _check_scalar_schema(qualname, op, signature)
-            run = build_call(signature, _per_element(qualname, op, signature) or op, wrapped_as_tensors=True)
-        inputs, scalar_types = _example_inputs(signature)
+            _check_scalar_schema(qualname, op, exact)
+            run = build_call(exact, _per_element(qualname, op, exact) or op, wrapped_as_tensors=True)
+            flat = exact
+            others = [_shapes.other_instance(cls)] if cls is not None else []
+            dynamic = _dynamic_dims(cls) if cls is not None else None
+        inputs, scalar_types = _example_inputs(flat)
         n_tensors = len(inputs) - len(scalar_types)
         fp = self.fingerprint()
         scratch = self.scratch()
         # Inductor's deprecation and future warnings are about Inductor, not the user's program.
         with _redirected(scratch), warnings.catch_warnings(record=True) as caught:
             t0 = time.perf_counter()
-            ep = _export(qualname, run, n_tensors, inputs)
+            ep = _export(qualname, run, n_tensors, inputs, dynamic)
             _check_outputs(qualname, ep)
             t1 = time.perf_counter()
             # A fresh build directory, not Inductor's cache, which would keep every .so forever.
@@ -156,9 +165,10 @@ class AotiCompiler(Compiler):
         for w in caught:
             log.debug("aoti: while compiling %s: %s", qualname, w.message)
         meta = {"format": ARTIFACT_FORMAT, "fingerprint": fp, "signature": signature,
-                "n_tensors": n_tensors, "scalar_types": scalar_types, "wrapped": wrapped_slots(signature)}
+                "n_tensors": n_tensors, "scalar_types": scalar_types, "wrapped": wrapped_slots(flat)}
         payload = _repackage(qualname, raw, meta, str(scratch.tmp))
-        self._self_check(qualname, payload, run, n_tensors, scalar_types, signature, into)
+        for shape in [flat, *others]:
+            self._self_check(qualname, payload, run, n_tensors, scalar_types, shape, into)
         log.info("aoti: compiled %s (export %.1fs, compile %.1fs, %d bytes)", qualname, t1 - t0, t2 - t1,
                  len(payload))
         return payload
@@ -453,29 +463,53 @@ def _check_value(qualname: str, name: str, value: Any) -> None:
                                  "memory and cannot place results")
 
 
-def _export(qualname: str, run: Executable, n_tensors: int, inputs: list[torch.Tensor]) -> Any:
+def _export(qualname: str, run: Executable, n_tensors: int, inputs: list[torch.Tensor],
+            dynamic: list[list[Any]] | None = None) -> Any:
+    """`torch.export` of the op's call; `dynamic`: per tensor input its sizes, a symbol name where the
+    dim is dynamic (a shape class). Each symbol is a `Dim` with min=2: export refuses (constraint
+    violation) rather than narrow it, so a class it cannot keep generic is refused, never half-generic."""
     class _Op(torch.nn.Module):
         def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # `.item()` on an input keeps the scalar symbolic (an unbacked SymFloat/SymInt): the value is
             # read when the executable runs instead of being baked into the code.
             return tuple(run(args[:n_tensors], [s.item() for s in args[n_tensors:]]))
 
+    shapes: Any = None
+    if dynamic is not None:
+        dims: dict[str, Any] = {}
+        specs: list[Any] = [{i: dims.setdefault(n, torch.export.Dim(n, min=2)) for i, n in enumerate(sizes)
+                             if isinstance(n, str)} or None for sizes in dynamic]
+        specs += [None] * (len(inputs) - len(specs))
+        shapes = (tuple(specs),)
     try:
-        return torch.export.export(_Op(), tuple(inputs), strict=False)
+        return torch.export.export(_Op(), tuple(inputs), dynamic_shapes=shapes, strict=False)
     except CompileRefused:
         raise
     except Exception as e:  # noqa: BLE001 - anything export rejects is an op we cannot compile
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CompileRefused(f"{qualname}: export failed ({type(e).__name__}: {first[:300]})") from e
+        what = "export with dynamic dims" if dynamic is not None else "export"
+        raise CompileRefused(f"{qualname}: {what} failed ({type(e).__name__}: {first[:300]})") from e
+
+
+def _dynamic_dims(cls: dict[str, Any]) -> list[list[Any]]:
+    """The sizes (ints, symbol names) of each tensor input of a class, in `_example_inputs` order."""
+    out: list[list[Any]] = []
+    for _, kind, desc in cls["args"]:
+        descs = [desc] if kind in (_ops.TENSOR, _ops.OPT_TENSOR) else \
+            list(desc) if kind in (_ops.TENSORS, _ops.OPT_TENSORS) else []
+        out.extend([] if _signature.is_wrapped(d) else list(d["sizes"]) for d in descs if d is not None)
+    return out
 
 
 def _check_outputs(qualname: str, ep: Any) -> None:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     out = next(iter(ep.graph.find_nodes(op="output")))
     for i, node in enumerate(out.args[0]):
         val = getattr(node, "meta", {}).get("val") if node is not None else None
         if not isinstance(val, torch.Tensor):
             raise CompileRefused(f"{qualname}: output {i} is not a tensor ({type(val).__name__})")
-        if not all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+        if free_unbacked_symbols(val):  # sizes of a shape class's dynamic dims are fine
             raise CompileRefused(f"{qualname}: output {i} has a shape that depends on the data "
                                  f"({list(val.shape)}); it runs on the host")
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_runtime import _dispatch, _ops, _signature
+from neuron_runtime import _dispatch, _ops, _shapes, _signature
 from neuron_runtime.compiler import CompileRefused
 from neuron_runtime.compiler._aoti import META_PATH, AotiCompiler, ArtifactMismatch, read_meta
 from neuron_runtime.compiler._reference import build_call
@@ -58,6 +58,9 @@ def compiled(device_run: subprocess.Popen[str], aoti_compiler: AotiCompiler) -> 
         "graph": CompiledGraph(aoti_compiler, _graph_signature()),
         # a fused group of foreach ops (an optimizer's update): list elements wired one by one
         "foreach_graph": CompiledGraph(aoti_compiler, _foreach_graph_signature()),
+        # a shape class (`_shapes`): mm for every [s0,s1] x [s1,s2], compiled from a 6x8 @ 8x5 example
+        "mm_class": CompiledGraph(aoti_compiler, _shapes.shape_class(
+            signature_of("aten::mm", torch.randn(6, 8), torch.randn(8, 5))[1])),
     }
 
 
@@ -139,6 +142,36 @@ def test_fused_foreach_group_wires_list_elements(compiled: dict[str, Any]) -> No
             torch.testing.assert_close(a, b)
         torch.testing.assert_close(x[0], x0 * s)  # written in place
         torch.testing.assert_close(x[1], x1)  # only read
+
+
+def test_a_shape_class_compiles_once_for_all_its_shapes(compiled: dict[str, Any]) -> None:
+    c = compiled["mm_class"]
+    assert read_meta(c.payload)["signature"]["shapes"] == _shapes.CLASS_VERSION
+    for m, k, n in ((6, 8, 5), (3, 7, 11), (40, 2, 9), (2, 33, 2)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        (got,) = c.exe([a, b], [])
+        torch.testing.assert_close(got, a @ b)
+
+
+def test_a_class_export_cannot_keep_generic_is_refused_with_its_reason(aoti_compiler: AotiCompiler) -> None:
+    # view_as_complex needs a last dim of 2, which the class made symbolic: export will not narrow it
+    cls = _shapes.shape_class(signature_of("aten::view_as_complex", torch.randn(4, 2))[1])
+    assert cls is not None
+    with pytest.raises(CompileRefused, match="export with dynamic dims failed"):
+        aoti_compiler.compile(cls)
+
+
+def test_a_generic_kernel_that_disagrees_on_a_second_shape_is_refused(aoti_compiler: AotiCompiler,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A class whose kernel came out specialised on its example's sizes (here: exported with no dynamic
+    dims, as if Inductor had baked them in) fails the self-check's second shape and is never cached."""
+    import neuron_runtime.compiler._aoti as aoti
+
+    monkeypatch.setattr(aoti, "_dynamic_dims", lambda cls: None)
+    cls = _shapes.shape_class(signature_of("aten::neg", torch.randn(3, 5))[1])
+    assert cls is not None
+    with pytest.raises(CompileRefused, match="output 0 is|fails to run|differs from eager"):
+        aoti_compiler.compile(cls)
 
 
 def test_scalars_are_run_time_inputs(compiled: dict[str, Compiled]) -> None:

@@ -209,3 +209,29 @@ def test_neuron_cache_service_lists_and_stops_the_service(tmp_path: Path) -> Non
     assert mine["queued"] + mine["running"] > 0 and mine["clients"] == 0 and mine["workers"] == 1
     assert cli("stop")[pid]["stopped"] is True
     assert not alive(pid)
+
+
+def test_a_new_shape_of_a_compiled_class_runs_compiled_at_once(tmp_path: Path) -> None:
+    # Background mode: the first shape runs on the host while its class compiles; a new batch size of
+    # the same class then runs its executable on its very first call (no host run, no compile).
+    code = """
+import json, sys, torch, neuron_runtime
+def run(n):
+    x = torch.randn(n, 5)
+    for _ in range(2):  # a key is compiled from its second request on
+        torch.testing.assert_close((x.to("neuron") * 3).cpu(), x * 3)
+run(4)
+assert neuron_runtime.wait_for_compiles(120)
+before = neuron_runtime.stats()
+run(7)
+after = neuron_runtime.stats()
+print(json.dumps({"before": before, "after": after}))
+"""
+    p = subprocess.run([sys.executable, "-c", code], env=job_env(tmp_path), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    before, after = r["before"], r["after"]
+    assert before["compiles"] == 1 and before["host_runs"] >= 1
+    assert after["compiles"] == 1 and after["host_runs"] == before["host_runs"]
+    assert after["class_hits"] == before["class_hits"] + 1 and after["executions"] >= before["executions"] + 2

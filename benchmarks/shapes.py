@@ -1,0 +1,246 @@
+"""Shape-class benchmark (JSON on stdout): compiles per new shape and step times, TORCH_NEURONX_SHAPES=static
+vs generic, side by side in one run.
+
+Each policy runs in its own process with its own empty cache (the policy is read when the runtime
+starts), doing the same work:
+  1. a tiny decoder-only transformer (embedding, attention with SDPA, MLP, LM head; cross-entropy,
+     backward, AdamW) trained two steps at each of 8 sequence lengths, then two steps at each of 8
+     batch sizes (a new batch size every step pair): compiles per length / batch size;
+  2. `generate`: a prompt, then 32 tokens with a growing KV cache (torch.cat, as HF's DynamicCache):
+     compiles per generated token;
+  3. step times at one shape (the decoder step and a small MLP step), warm, interleaved one by one with
+     native CPU eager in the same process (OMP_NUM_THREADS=1): `vs_native` is the median of the rounds'
+     ratios, and `generic_vs_static` their quotient.
+
+    python benchmarks/shapes.py [--tier reference|aoti] [--rounds R] [--steps N] [--cache-dir DIR]
+    python benchmarks/shapes.py --kernels [--tier aoti]   # a static vs a generic executable, per op
+
+On `aoti` every compile is real (minutes per policy); --cache-dir keeps the executables between runs.
+Sizes are chosen so that no sequence length, batch size or KV length equals a model dimension: equal sizes
+share a symbol in a class, so a coincidence (a KV length equal to the head dim) is another class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, statistics, sys, time, torch
+import neuron_runtime
+torch.set_num_threads(1)
+steps, rounds = int(sys.argv[1]), int(sys.argv[2])
+V, D, H = 128, 64, 1
+LENGTHS = [5, 6, 7, 9, 10, 11, 12, 13]
+BATCHES = [2, 3, 5, 6, 7, 9, 10, 11]
+
+class Decoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, D)
+        self.ln1, self.ln2, self.lnf = torch.nn.LayerNorm(D), torch.nn.LayerNorm(D), torch.nn.LayerNorm(D)
+        self.qkv, self.o = torch.nn.Linear(D, 3 * D), torch.nn.Linear(D, D)
+        self.fc1, self.fc2 = torch.nn.Linear(D, 4 * D), torch.nn.Linear(4 * D, D)
+        self.head = torch.nn.Linear(D, V)
+    def forward(self, ids, kv=None):
+        B, T = ids.shape
+        x = self.emb(ids)
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+        q, k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in (q, k, v))
+        if kv is not None:
+            k, v = torch.cat([kv[0], k], 2), torch.cat([kv[1], v], 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=kv is None)
+        x = x + self.o(a.transpose(1, 2).reshape(B, T, D))
+        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+        return self.head(self.lnf(x)), (k, v)
+
+def compiles():
+    neuron_runtime.wait_for_compiles()
+    return neuron_runtime.stats()["compiles"]
+
+def trainer(device):
+    torch.manual_seed(0)
+    model = Decoder().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    def step(ids):
+        opt.zero_grad(set_to_none=True)
+        logits, _ = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), ids.reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss
+    return model, step
+
+out = {}
+model, step = trainer("neuron")
+gen = torch.Generator().manual_seed(1)
+def ids(b, t, device="neuron"):
+    return torch.randint(0, V, (b, t), generator=gen).to(device)
+for name, shapes in (("lengths", [(2, t) for t in LENGTHS]), ("batches", [(b, 4) for b in BATCHES])):
+    per, last = [], compiles()
+    for b, t in shapes:
+        for _ in range(2):
+            step(ids(b, t)).item()
+        now = compiles()
+        per.append(now - last)
+        last = now
+        print(f"{name} {b}x{t}: {per[-1]} compiles", file=sys.stderr, flush=True)
+    out[name] = {"shapes": shapes, "compiles": per}
+
+with torch.no_grad():
+    prompt = ids(2, 5)
+    last = compiles()
+    logits, kv = model(prompt)
+    out_prompt = compiles() - last
+    per, last = [], compiles()
+    tok = logits[:, -1:].argmax(-1)
+    for _ in range(32):
+        logits, kv = model(tok, kv)
+        tok = logits[:, -1:].argmax(-1)
+        now = compiles()
+        per.append(now - last)
+        last = now
+        print(f"token {len(per)}: {per[-1]} compiles", file=sys.stderr, flush=True)
+    out["generate"] = {"prompt_compiles": out_prompt, "per_token": per}
+
+def mlp_trainer(device):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10)).to(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2)).to(device)
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+def timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+times = {}
+cpu_model, cpu_step = trainer("cpu")
+fixed_dev, fixed_cpu = ids(2, 6), ids(2, 6, "cpu")
+cases = {"decoder": (lambda: step(fixed_dev).item(), lambda: cpu_step(fixed_cpu).item())}
+mlp_dev, mlp_cpu = mlp_trainer("neuron"), mlp_trainer("cpu")
+cases["mlp"] = (lambda: mlp_dev().item(), lambda: mlp_cpu().item())
+for name, (dev, cpu) in cases.items():
+    for _ in range(3):  # warm: every executable compiled and loaded
+        dev(); cpu()
+    neuron_runtime.wait_for_compiles()
+    dev(); cpu()
+    ratios, dev_t, cpu_t = [], [], []
+    for _ in range(rounds):
+        d = statistics.median(timed(dev) for _ in range(steps))
+        c = statistics.median(timed(cpu) for _ in range(steps))
+        ratios.append(d / c); dev_t.append(d); cpu_t.append(c)
+    times[name] = {"step_ms": round(statistics.median(dev_t) * 1e3, 3),
+                   "native_ms": round(statistics.median(cpu_t) * 1e3, 3),
+                   "vs_native": round(statistics.median(ratios), 3)}
+out["times"] = times
+s = neuron_runtime.stats()
+out["stats"] = {k: s.get(k) for k in ("compiles", "class_hits", "fallbacks", "host_runs")}
+print("RESULT " + json.dumps(out))
+"""
+
+
+KERNELS = r"""
+import json, statistics, sys, time, torch
+from neuron_runtime import _ops, _shapes, _signature
+from neuron_runtime.compiler import get_compiler
+torch.set_num_threads(1)
+rounds, n = int(sys.argv[1]), int(sys.argv[2])
+comp = get_compiler(sys.argv[3])
+cases = {"add_64": ("aten::add.Tensor", lambda: (torch.randn(64), torch.randn(64), 1)),
+         "mm_128": ("aten::mm", lambda: (torch.randn(128, 128), torch.randn(128, 128))),
+         "sum_rows_256x64": ("aten::sum.dim_IntList", lambda: (torch.randn(256, 64), [1], False, None))}
+out = {}
+for name, (op, make) in cases.items():
+    info = _ops.classify(op)
+    values = make()
+    sig = _signature.build(info, values)
+    exes = {"static": comp.load(comp.compile(sig)), "generic": comp.load(comp.compile(_shapes.shape_class(sig)))}
+    from neuron_runtime._dispatch import flatten
+    tensors, scalars = flatten(info, values)
+    times = {k: [] for k in exes}
+    for _ in range(rounds):
+        for k, exe in exes.items():
+            t = time.perf_counter()
+            for _ in range(n):
+                exe(tensors, scalars)
+            times[k].append((time.perf_counter() - t) / n * 1e6)
+    out[name] = {"static_us": round(statistics.median(times["static"]), 2),
+                 "generic_us": round(statistics.median(times["generic"]), 2),
+                 "generic_vs_static": round(statistics.median(g / s for g, s in zip(times["generic"], times["static"])), 3)}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def kernels(tier: str, rounds: int) -> dict:  # type: ignore[type-arg]
+    """Per op, a static and a generic executable of the same shape called directly, interleaved."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", KERNELS, str(rounds), "2000", tier], env=env,
+                       stdout=subprocess.PIPE, text=True, timeout=3600)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        raise SystemExit(f"kernel comparison failed ({p.returncode}); its stderr is above")
+    return json.loads(line[len("RESULT "):])  # type: ignore[no-any-return]
+
+
+def run(policy: str, tier: str, cache: str, steps: int, rounds: int) -> dict:  # type: ignore[type-arg]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(TORCH_NEURONX_SHAPES=policy, TORCH_NEURONX_COMPILER=tier, TORCH_NEURONX_COMPILE_MODE="sync",
+               TORCH_NEURONX_PREFETCH="0", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=os.path.join(cache, policy),
+               OMP_NUM_THREADS="1")
+    # The child's progress (compiles per shape) goes to our stderr as it happens.
+    p = subprocess.run([sys.executable, "-c", CHILD, str(steps), str(rounds)], env=env, stdout=subprocess.PIPE,
+                       text=True, timeout=4 * 3600)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        raise SystemExit(f"{policy} run failed ({p.returncode}); its stderr is above")
+    return json.loads(line[len("RESULT "):])  # type: ignore[no-any-return]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tier", default="reference", choices=("reference", "aoti"))
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--cache-dir", help="keep the executables here (default: a fresh temporary directory)")
+    ap.add_argument("--policies", default="static,generic",
+                    help="comma-separated TORCH_NEURONX_SHAPES values to run (aoti static: ~1,000 compiles)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="only compare a static and a generic executable per op (add, mm, a row sum), called directly")
+    args = ap.parse_args()
+    if args.kernels:
+        print(json.dumps({"tier": args.tier, "kernels": kernels(args.tier, args.rounds)}, indent=1))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="neuron-shapes-bench-") as tmp:
+        cache = args.cache_dir or tmp
+        res = {p: run(p, args.tier, cache, args.steps, args.rounds) for p in args.policies.split(",")}
+    summary: dict[str, object] = {"tier": args.tier}
+    for p, r in res.items():
+        first, later = r["lengths"]["compiles"][0], sum(r["lengths"]["compiles"][1:])
+        summary[p] = {
+            "first_length_compiles": first, "later_lengths_compiles": later,
+            "later_vs_first": round(later / first, 3) if first else None,
+            "later_batches_compiles": sum(r["batches"]["compiles"][1:]),
+            "generate_compiles_after_two_tokens": sum(r["generate"]["per_token"][2:]),
+        }
+    if "generic" in res and "static" in res:
+        summary["generic_vs_static"] = {
+            name: round(res["generic"]["times"][name]["vs_native"] / res["static"]["times"][name]["vs_native"], 3)
+            for name in res["generic"]["times"]}
+    print(json.dumps({"summary": summary, "runs": res}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""Shape classes (neuron_runtime/_shapes.py): the class rules, and the runtime serving a new shape of a
+known class without a compile, never a shape outside it (reference tier; the aoti side is in
+tests/compiler/test_aoti.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import neuron_runtime
+from neuron_runtime import _config, _dispatch, _ops, _shapes, _signature
+from rt_helpers import DEV, assert_same
+
+
+def sig_of(op: str, *values: object) -> dict:  # type: ignore[type-arg]
+    return _signature.build(_ops.classify(op), values)
+
+
+def cls_of(op: str, *values: object) -> dict:  # type: ignore[type-arg]
+    cls = _shapes.shape_class(sig_of(op, *values))
+    assert cls is not None
+    return cls
+
+
+def tensors(cls: dict) -> list[tuple[list, list]]:  # type: ignore[type-arg]
+    return [(d["sizes"], d["strides"]) for d in _shapes._tensors(cls)]
+
+
+# -- the rules --------------------------------------------------------------------------------------
+def test_sizes_become_symbols_equal_sizes_share_one() -> None:
+    a = cls_of("aten::mm", torch.randn(6, 8), torch.randn(8, 5))
+    assert tensors(a) == [(["s0", "s1"], ["s1", 1]), (["s1", "s2"], ["s2", 1])]
+    b = cls_of("aten::mm", torch.randn(9, 3), torch.randn(3, 7))
+    assert _signature.cache_key(a, {}) == _signature.cache_key(b, {})  # the example is not keyed
+    c = cls_of("aten::mm", torch.randn(8, 8), torch.randn(8, 5))  # two sizes happen to be equal
+    assert _signature.cache_key(a, {}) != _signature.cache_key(c, {})
+
+
+def test_zero_and_one_sizes_stay_static() -> None:
+    a = cls_of("aten::add.Tensor", torch.randn(4, 1, 8), torch.randn(8), 1)
+    assert tensors(a) == [(["s0", 1, "s1"], ["s1", "*", 1]), (["s1"], [1])]
+    assert _shapes.shape_class(sig_of("aten::add.Tensor", torch.randn(1, 1), torch.randn(1), 1)) is None
+    empty = cls_of("aten::add.Tensor", torch.randn(0, 5), torch.randn(0, 5), 1)
+    assert tensors(empty)[0] == ([0, "s0"], ["s0", 1])
+
+
+def test_layout_is_part_of_the_class() -> None:
+    x = torch.randn(6, 8)
+    contiguous = cls_of("aten::neg", x)
+    transposed = cls_of("aten::neg", x.t())
+    sliced = cls_of("aten::neg", x[:, :3])
+    assert tensors(transposed) == [(["s0", "s1"], [1, "s0"])]
+    assert tensors(sliced) == [(["s0", 3], [8, 1])]  # a slice's row: its parent's width bounds it
+    cl = cls_of("aten::neg", torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    assert tensors(cl) == [(["s0", "s1", "s2", "s3"], ["s1*s2*s3", 1, "s1*s3", "s1"])]
+    keys = {_signature.cache_key(c, {}) for c in (contiguous, transposed, sliced, cl)}
+    assert len(keys) == 4
+
+
+def test_size_arguments_keep_their_sizes_static() -> None:
+    # normalized_shape is a SymInt[] argument: the kernel is specialised on it, so the dim it names is too
+    x, w, b = torch.randn(3, 5, 32), torch.randn(32), torch.randn(32)
+    cls = cls_of("aten::native_layer_norm", x, [32], w, b, 1e-5)
+    assert tensors(cls)[0] == (["s0", "s1", 32], ["32*s1", 32, 1])
+
+
+def test_instances_round_trip() -> None:
+    for s in (sig_of("aten::mm", torch.randn(6, 8), torch.randn(8, 5)),
+              sig_of("aten::neg", torch.randn(6, 8)[:, 1:4]),
+              sig_of("aten::neg", torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))):
+        cls = _shapes.shape_class(s)
+        assert cls is not None and _shapes.instance(cls, _shapes.symbols(cls)) == s
+        other = _shapes.other_instance(cls)
+        assert other != s and _shapes.shape_class(other) == {**cls, "example": other}
+
+
+def test_bad_policy_is_a_clear_error() -> None:
+    with pytest.raises(_config.ConfigError, match="TORCH_NEURONX_SHAPES"):
+        _config.load({"TORCH_NEURONX_SHAPES": "dynamic"})
+
+
+# -- the runtime ------------------------------------------------------------------------------------
+@pytest.fixture
+def rt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[_dispatch.Runtime]:
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
+    yield _dispatch.reset_runtime()
+    monkeypatch.undo()
+    _dispatch.reset_runtime()
+
+
+def _compiles() -> int:
+    return int(neuron_runtime.stats()["compiles"])
+
+
+def test_new_batch_sizes_compile_nothing(rt: _dispatch.Runtime) -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 16)
+    dev = torch.nn.Linear(8, 16).to(DEV)
+    dev.load_state_dict(lin.state_dict())
+    first = None
+    for batch in (3, 5, 6, 7, 12):
+        x = torch.randn(batch, 8)
+        assert_same(torch.relu(lin(x)).sum(1), torch.relu(dev(x.to(DEV))).sum(1), atol=1e-5, rtol=1e-5)
+        first = _compiles() if first is None else first
+    assert first > 0 and _compiles() == first
+    assert neuron_runtime.stats()["class_hits"] >= 4 * 3
+
+
+def test_a_shape_outside_the_class_compiles_and_never_runs_the_wrong_kernel(rt: _dispatch.Runtime) -> None:
+    a = torch.randn(4, 6)
+    assert_same(a * a, a.to(DEV) * a.to(DEV))
+    n = _compiles()
+    b = torch.randn(5, 7)
+    assert_same(b * b, b.to(DEV) * b.to(DEV))  # same class
+    assert _compiles() == n
+    cases = [torch.randn(1, 7),                      # a size-1 dim: broadcasting, another kernel
+             torch.randn(0, 7),                      # empty
+             torch.randn(6, 6)]                      # two sizes equal
+    views = [lambda t: t.t(),                        # transposed
+             lambda t: t[:, 1:6]]                    # a slice of a wider tensor
+    for c, view in [*((c, lambda t: t) for c in cases), *((torch.randn(7, 8), v) for v in views)]:
+        before = _compiles()
+        d = view(c.to(DEV))
+        assert_same(view(c) * view(c), d * d)
+        assert _compiles() == before + 1, c.shape
+    x = torch.randn(2, 3, 4, 5)
+    cl = x.to(memory_format=torch.channels_last)
+    before = _compiles()
+    got = cl.to(DEV) * cl.to(DEV)
+    assert_same(cl * cl, got)
+    assert got.is_contiguous(memory_format=torch.channels_last) and _compiles() == before + 1
+    assert_same(x.exp(), x.to(DEV).exp())
+    before = _compiles()
+    y = torch.randn(3, 4, 5, 6).to(memory_format=torch.channels_last)
+    assert_same(y.exp(), y.to(DEV).exp())  # channels-last: its own class, compiled once
+    y2 = torch.randn(2, 5, 6, 7).to(memory_format=torch.channels_last)
+    assert_same(y2.exp(), y2.to(DEV).exp())
+    assert _compiles() == before + 1
+
+
+def test_static_policy_compiles_every_shape(rt: _dispatch.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_NEURONX_SHAPES", "static")
+    _dispatch.reset_runtime()
+    for n in (3, 4, 5):
+        x = torch.randn(n, 2)
+        assert_same(x.exp(), x.to(DEV).exp())
+    assert _compiles() == 3 and neuron_runtime.stats()["class_hits"] == 0
+
+
+def test_exact_entries_of_a_runtime_without_classes_still_load(rt: _dispatch.Runtime,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(3, 4)
+    monkeypatch.setenv("TORCH_NEURONX_SHAPES", "static")
+    _dispatch.reset_runtime()
+    assert_same(x.exp(), x.to(DEV).exp())
+    assert _compiles() == 1
+    monkeypatch.setenv("TORCH_NEURONX_SHAPES", "auto")
+    _dispatch.reset_runtime()
+    assert_same(x.exp(), x.to(DEV).exp())  # the exact entry on disk serves it
+    s = neuron_runtime.stats()
+    assert _compiles() == 0 and s["hits"]["local"] == 1 and s["class_hits"] == 0
+    y = torch.randn(5, 6)
+    assert_same(y.exp(), y.to(DEV).exp())  # a new shape: the class compiles once
+    assert _compiles() == 1
+
+
+def test_a_class_entry_of_another_class_version_is_not_used(rt: _dispatch.Runtime,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(3, 4)
+    assert_same(x.exp(), x.to(DEV).exp())
+    assert _compiles() == 1
+    monkeypatch.setattr(_shapes, "CLASS_VERSION", _shapes.CLASS_VERSION + 1)  # a runtime with other rules
+    _dispatch.reset_runtime()
+    y = torch.randn(5, 6)
+    assert_same(y.exp(), y.to(DEV).exp())
+    assert _compiles() == 1  # its own class, compiled once; the other version's entry is never run
+
+
+def test_classes_survive_the_memory_bound(rt: _dispatch.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_NEURONX_MEMORY_CACHE_ENTRIES", "6")
+    rt = _dispatch.reset_runtime()
+    for n in range(2, 40):
+        x = torch.randn(n, 3)
+        assert_same(x * 2 + 1, x.to(DEV) * 2 + 1)
+    assert len(rt.by_digest) + len(rt.resolver.classes) <= 6
+    assert sum(len(e) for _, e in _dispatch._EXES.values()) <= 6
+    assert _compiles() <= 4  # mul and add, size 3 colliding with n == 3 once
+
+
+def test_a_fused_group_has_one_class_over_its_nodes() -> None:
+    xs = [torch.randn(5), torch.randn(3, 4)]
+    mul = sig_of("aten::_foreach_mul.Scalar", xs, 0.9)
+    # the same op twice in a group: both nodes hold one signature object (as fusion builds them)
+    graph = {"op": "fused:_foreach_mul.Scalar+_foreach_mul.Scalar",
+             "graph": [{"sig": mul, "in": [["e", 0], ["e", 1]]}, {"sig": mul, "in": [["n", 0, 0], ["n", 0, 1]]}],
+             "outputs": [[1, 0], [1, 1]]}
+    cls = _shapes.shape_class(graph)
+    assert cls is not None and _shapes.describe(cls) == "[s0] [s1,s2] [s0] [s1,s2]"
+    assert _shapes.instance(cls, _shapes.symbols(cls)) == graph and mul["args"][0][2][0]["sizes"] == [5]
+
+
+def test_a_class_line_without_its_example_is_a_clear_error() -> None:
+    from neuron_runtime import _record
+
+    cls = cls_of("aten::neg", torch.randn(3, 4))
+    assert _record.check_signature(cls) is cls
+    with pytest.raises(ValueError, match="no 'example'"):
+        _record.check_signature({k: v for k, v in cls.items() if k != "example"})
+    with pytest.raises(ValueError, match="its example: signature has no 'args'"):
+        _record.check_signature({**cls, "example": {"op": "aten::neg", "schema": ""}})
