@@ -214,6 +214,7 @@ def test_corrupt_or_forged_graph_entry_is_never_loaded(
     from neuron_runtime.cache import LocalCache
 
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
+    monkeypatch.setenv("TORCH_NEURONX_SHAPES", "static")  # exact keys: the entry damaged is the one it loads
     _dispatch.reset_runtime()
     x = torch.randn(4, 6, device=DEV)
 

@@ -63,7 +63,8 @@ def test_server_killed_mid_run_never_fails_a_compiled_step(
         x = torch.randn(4, 5)
         torch.testing.assert_close(f(x.to("neuron")).cpu(), (x.sin() * 3).sum(0))
         server.kill()
-        y = torch.randn(6, 5)  # a new shape: a new graph, whose fleet lookup meets a dead server
+        # Another rank: a new graph of a new shape class, whose fleet lookup meets a dead server.
+        y = torch.randn(4, 5, 3)
         torch.testing.assert_close(f(y.to("neuron")).cpu(), (y.sin() * 3).sum(0))
         s = neuron_runtime.stats()
         assert s["graphs"]["compiles"] == 2 and s["graphs"]["graph_executions"] == 2
