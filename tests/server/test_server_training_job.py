@@ -25,7 +25,9 @@ torch.manual_seed(0)
 m = torch.nn.Linear(4, 2).to("neuron")
 opt = torch.optim.SGD(m.parameters(), lr=0.1)
 for step in range(4):
-    x = torch.randn(4 + step, 4).to("neuron")  # a new batch size each step: new signatures, fleet traffic
+    # Another rank each step: new shape classes (a new batch size alone would reuse the generic
+    # executables), so new signatures and fleet traffic after the server died.
+    x = torch.randn(*([2] * step), 4 + step, 4).to("neuron")
     loss = m(x).pow(2).mean()
     loss.backward()
     opt.step()
