@@ -4,7 +4,6 @@ One compile (an inference graph), shared by the checks of this module."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,29 +23,25 @@ def _f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def graph_run(aoti_root: Path) -> Iterator[dict[str, Any]]:
-    old = {k: os.environ.get(k) for k in ("TORCH_NEURONX_COMPILER", "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR")}
-    os.environ["TORCH_NEURONX_COMPILER"] = "aoti"
-    os.environ["TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"] = str(aoti_root / "neff-graph")
     try:
-        _dispatch.reset_runtime()
-        torch._dynamo.reset()
-        x, w = torch.randn(6, 8), torch.randn(8, 5).t().contiguous().t()  # w non-contiguous
-        with torch.no_grad():
-            got = torch.compile(_f, backend="neuron")(x.to(DEV), w.to(DEV)).cpu()
-        first = neuron_runtime.stats()
-        # Another start on the warm local tier: load, no compile.
-        _dispatch.reset_runtime()
-        torch._dynamo.reset()
-        with torch.no_grad():
-            again = torch.compile(_f, backend="neuron")(x.to(DEV), w.to(DEV)).cpu()
-        yield {"x": x, "w": w, "got": got, "again": again, "first": first, "second": neuron_runtime.stats(),
-               "local": aoti_root / "neff-graph"}
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        # A module-scoped fixture has no `monkeypatch`; MonkeyPatch.context() restores the environment the same way.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TORCH_NEURONX_COMPILER", "aoti")
+            mp.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(aoti_root / "neff-graph"))
+            _dispatch.reset_runtime()
+            torch._dynamo.reset()
+            x, w = torch.randn(6, 8), torch.randn(8, 5).t().contiguous().t()  # w non-contiguous
+            with torch.no_grad():
+                got = torch.compile(_f, backend="neuron")(x.to(DEV), w.to(DEV)).cpu()
+            first = neuron_runtime.stats()
+            # Another start on the warm local tier: load, no compile.
+            _dispatch.reset_runtime()
+            torch._dynamo.reset()
+            with torch.no_grad():
+                again = torch.compile(_f, backend="neuron")(x.to(DEV), w.to(DEV)).cpu()
+            yield {"x": x, "w": w, "got": got, "again": again, "first": first, "second": neuron_runtime.stats(),
+                   "local": aoti_root / "neff-graph"}
+    finally:  # after the environment is restored: reset_runtime reads it
         torch._dynamo.reset()
         _dispatch.reset_runtime()
 
