@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +51,20 @@ def reference_losses(steps: int, opt_name: str = "sgd") -> list[float]:
     """One process, the global batch, same init: what the distributed run must reproduce."""
     torch.manual_seed(0)
     m = mlp().to(DEV)
-    opt = make_opt(m, opt_name)
+    return train(m, make_opt(m, opt_name), steps)
+
+
+def train(model: Any, opt: torch.optim.Optimizer, steps: int, part: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+          record: Callable[[torch.Tensor], float] = lambda loss: loss.item()) -> list[float]:
+    """`steps` SGD/AdamW steps of `model` on `part` of each batch (the whole batch, or this rank's shard);
+    `record` turns each step's loss into the number kept (its value, or the mean over ranks)."""
     out = []
     for x, y in batches(steps):
-        loss = torch.nn.functional.mse_loss(m(x.to(DEV)), y.to(DEV))
+        loss = torch.nn.functional.mse_loss(model(part(x).to(DEV)), part(y).to(DEV))
         loss.backward()
         opt.step()
         opt.zero_grad()
-        out.append(loss.item())
+        out.append(record(loss))
     return out
 
 
@@ -197,14 +204,7 @@ def check_ddp(res: dict[str, Any]) -> None:
     m = mlp().to(DEV)
     # a small bucket cap: the gradients travel in several buckets; device_ids as torchrun users pass them
     ddp = DDP(m, device_ids=[int(os.environ["LOCAL_RANK"])], bucket_cap_mb=0.01)
-    opt = make_opt(ddp, "sgd")
-    got = []
-    for x, y in batches(steps):
-        loss = torch.nn.functional.mse_loss(ddp(shard(x).to(DEV)), shard(y).to(DEV))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        got.append(global_loss(loss))
+    got = train(ddp, make_opt(ddp, "sgd"), steps, shard, global_loss)
     res["ddp"] = {"ref": ref, "got": got, "buckets": len(ddp.reducer._get_zeros_like_grad_buckets()),
                   "device_ids": ddp.device_ids}
     try:
@@ -318,14 +318,7 @@ def check_fsdp_dtensor_dcp(res: dict[str, Any], tmp: Path) -> None:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(m, mesh=mesh)
-    opt = make_opt(m, "adamw")
-    got = []
-    for x, y in batches(steps):
-        loss = torch.nn.functional.mse_loss(m(shard(x).to(DEV)), shard(y).to(DEV))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        got.append(global_loss(loss))
+    got = train(m, make_opt(m, "adamw"), steps, shard, global_loss)
     p0 = next(iter(m.parameters()))
     res["fsdp2"] = {"ref": ref, "got": got, "param_type": type(p0).__name__,
                     "shard_device": p0.to_local().device.type, "shard_rows": p0.to_local().shape[0]}
