@@ -53,39 +53,55 @@ using Stack = torch::jit::Stack;
 // ---------------------------------------------------------------------------------------------------
 void drop_source(void* ctx) { delete static_cast<at::Tensor*>(ctx); }
 
-at::Tensor relabel(const at::Tensor& t, c10::DispatchKey key, c10::DataPtr dp) {
-  c10::Storage st(c10::Storage::use_byte_size_t(), t.storage().nbytes(), std::move(dp), nullptr, false);
+// mutable_data(): a copy-on-write storage gets its own memory first, as a DLPack export does. `ctx` and
+// `del` make the new storage's DataPtr context: what keeps the source alive, and how it is let go.
+inline at::Tensor relabel(const at::Tensor& t, const c10::Storage& src, c10::DispatchKey key, c10::Device dev,
+                          void* ctx, c10::DeleterFnPtr del) {
+  c10::Storage st(c10::Storage::use_byte_size_t(), src.nbytes(),
+                  c10::DataPtr(const_cast<c10::Storage&>(src).mutable_data(), ctx, del, dev), nullptr, false);
   auto out = at::detail::make_tensor<c10::TensorImpl>(std::move(st), c10::DispatchKeySet(key), t.dtype());
   out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
   // The lazy conjugate and negative bits are part of what the values are (a CPU kernel may return a
   // conjugated view, e.g. linalg_lu_solve with adjoint=True, left=False): keep them.
-  if (t.is_conj()) out._set_conj(true);
-  if (t.is_neg()) out._set_neg(true);
+  if (C10_UNLIKELY(t.is_conj() || t.is_neg())) {
+    out._set_conj(t.is_conj());
+    out._set_neg(t.is_neg());
+  }
   return out;
 }
-
-// mutable_data(): a copy-on-write storage gets its own memory first, as a DLPack export does.
-inline void* data_of(const at::Tensor& t) { return const_cast<c10::Storage&>(t.storage()).mutable_data(); }
 
 const c10::Device kNeuron(c10::DeviceType::PrivateUse1, 0);
 const c10::Device kCpu(c10::DeviceType::CPU);
 
 // A neuron tensor's storage counts its host buffer in the device's memory accounting (memory.h) unless
 // the buffer is a CPU view of neuron memory, which another neuron storage counts already.
+inline bool counted_elsewhere(const c10::Storage& src) {
+  const c10::DeleterFnPtr d = src.data_ptr().get_deleter();
+  return d == &drop_source || d == &neuron_memory::drop_holder || d == &neuron_memory::drop_owned;
+}
+
 at::Tensor to_neuron(const at::Tensor& t) {
   const c10::Storage& src = t.storage();
-  const c10::DeleterFnPtr d = src.data_ptr().get_deleter();
-  const bool counted = d == &drop_source || d == &neuron_memory::drop_holder || d == &neuron_memory::drop_owned;
-  const c10::StorageImpl* root = counted ? nullptr : src.unsafeGetStorageImpl();
-  void* data = data_of(t);
-  auto* h = new neuron_memory::Holder{t, root};
+  const c10::StorageImpl* root = counted_elsewhere(src) ? nullptr : src.unsafeGetStorageImpl();
+  auto* h = new neuron_memory::Holder{t, root, -1};
   if (root != nullptr) neuron_memory::accounting().acquire(root, static_cast<int64_t>(src.nbytes()));
-  return relabel(t, c10::DispatchKey::PrivateUse1, c10::DataPtr(data, h, &neuron_memory::drop_holder, kNeuron));
+  return relabel(t, src, c10::DispatchKey::PrivateUse1, kNeuron, h, &neuron_memory::drop_holder);
+}
+
+// A kernel's output handed over for good (the caller keeps no reference). When nothing else holds the
+// tensor or its storage, the new neuron storage becomes the only way to reach the buffer, so it counts
+// the bytes itself, with no entry in the root map (memory.h).
+at::Tensor to_neuron_fresh(at::Tensor&& t) {
+  const c10::Storage& src = t.storage();
+  if (t.use_count() != 1 || src.use_count() != 1 || counted_elsewhere(src)) return to_neuron(t);
+  const auto nbytes = static_cast<int64_t>(src.nbytes());
+  auto* h = new neuron_memory::Holder{std::move(t), nullptr, nbytes};
+  neuron_memory::accounting().add_locked(nbytes);
+  return relabel(h->keep, h->keep.storage(), c10::DispatchKey::PrivateUse1, kNeuron, h, &neuron_memory::drop_holder);
 }
 
 at::Tensor to_cpu(const at::Tensor& t) {
-  void* data = data_of(t);
-  return relabel(t, c10::DispatchKey::CPU, c10::DataPtr(data, new at::Tensor(t), &drop_source, kCpu));
+  return relabel(t, t.storage(), c10::DispatchKey::CPU, kCpu, new at::Tensor(t), &drop_source);
 }
 
 const c10::DispatchKeySet kCpuKeys(c10::DispatchKey::CPU);
@@ -905,12 +921,12 @@ struct OpState final : c10::OperatorKernel {
     if (returns_list) {
       c10::List<at::Tensor> l;
       l.reserve(outs.size());
-      for (const at::Tensor& o : outs) l.push_back(to_neuron(o));
+      for (at::Tensor& o : outs) l.push_back(to_neuron_fresh(std::move(o)));
       stack->emplace_back(std::move(l));
       return true;
     }
     for (size_t i = 0; i < n_returns; ++i) {
-      stack->emplace_back(outs[i].defined() ? to_neuron(outs[i]) : at::Tensor());
+      stack->emplace_back(outs[i].defined() ? to_neuron_fresh(std::move(outs[i])) : at::Tensor());
     }
     return true;
   }
@@ -1297,14 +1313,14 @@ struct SpecialKernel final : c10::OperatorKernel {
     if (which == EMPTY) {  // (size, dtype?, layout?, device?, pin_memory?, memory_format?)
       if (!s[base].isIntList() || !options(s, base + 1, opts)) return false;
       auto mf = s[base + 5].isNone() ? c10::MemoryFormat::Contiguous : s[base + 5].toMemoryFormat();
-      at::Tensor out = to_neuron(at::empty(s[base].toIntVector(), opts, mf));
+      at::Tensor out = to_neuron_fresh(at::empty(s[base].toIntVector(), opts, mf));
       torch::jit::drop(s, n);
       s.emplace_back(std::move(out));
       return true;
     }
     if (which == EMPTY_STRIDED) {  // (size, stride, dtype?, layout?, device?, pin_memory?)
       if (!s[base].isIntList() || !s[base + 1].isIntList() || !options(s, base + 2, opts)) return false;
-      at::Tensor out = to_neuron(at::empty_strided(s[base].toIntVector(), s[base + 1].toIntVector(), opts));
+      at::Tensor out = to_neuron_fresh(at::empty_strided(s[base].toIntVector(), s[base + 1].toIntVector(), opts));
       torch::jit::drop(s, n);
       s.emplace_back(std::move(out));
       return true;

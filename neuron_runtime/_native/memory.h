@@ -9,6 +9,11 @@
 //   2. `to_neuron` over a CPU view of neuron memory (`to_cpu` of a neuron tensor) counts nothing: the
 //      neuron storage it keeps alive already counts those bytes.
 //   3. When the last neuron storage over a root dies, its bytes are subtracted.
+// The common case, a kernel's fresh output that nothing else references (`to_neuron_fresh`), needs no
+// bookkeeping by root: its one neuron storage counts the bytes and subtracts them when it dies. Only
+// buffers that may be shared (aliasing outputs, a CPU tensor the caller keeps) go through the root map.
+// The counters sit behind a spin lock: uncontended, it is one atomic exchange and a store, where a
+// mutex was two locked instructions and two calls, paid on every op output (benchmarks/dispatch.py).
 // The same counters back a c10::DeviceAllocator registered for PrivateUse1, which is what the
 // `torch.accelerator` memory functions ask; its own `allocate` (PyTorch's C++ paths that allocate neuron
 // storage directly) counts its buffers too.
@@ -23,12 +28,23 @@
 
 #include <malloc.h>
 
+#include <atomic>
 #include <mutex>
+#include <thread>
 
 namespace neuron_memory {
 
+// Held for a few instructions, never across a call that could block or enter Python.
+struct SpinLock {
+  std::atomic_flag f = ATOMIC_FLAG_INIT;
+  void lock() {
+    while (f.test_and_set(std::memory_order_acquire)) std::this_thread::yield();
+  }
+  void unlock() { f.clear(std::memory_order_release); }
+};
+
 struct Accounting {
-  std::mutex mu;
+  SpinLock mu;
   // root CPU StorageImpl -> (neuron storages over it, bytes counted for it). Open addressing: an
   // insert allocates nothing (this runs for every op output).
   ska::flat_hash_map<const c10::StorageImpl*, std::pair<int64_t, int64_t>> roots;
@@ -46,14 +62,14 @@ struct Accounting {
 
   // A neuron storage now holds `root` (of `nbytes`).
   void acquire(const c10::StorageImpl* root, int64_t nbytes) {
-    std::lock_guard<std::mutex> g(mu);
+    std::lock_guard<SpinLock> g(mu);
     auto [it, fresh] = roots.emplace(root, std::pair<int64_t, int64_t>(0, nbytes));
     if (fresh) add(nbytes);
     ++it->second.first;
   }
   // A neuron storage over `root` died.
   void release(const c10::StorageImpl* root) {
-    std::lock_guard<std::mutex> g(mu);
+    std::lock_guard<SpinLock> g(mu);
     auto it = roots.find(root);
     if (it == roots.end()) return;
     if (--it->second.first == 0) {
@@ -61,23 +77,35 @@ struct Accounting {
       roots.erase(it);
     }
   }
+  // The counters alone (a buffer only one neuron storage can ever hold, or one the allocator owns).
+  void add_locked(int64_t n) {
+    std::lock_guard<SpinLock> g(mu);
+    add(n);
+  }
+  void sub_locked(int64_t n) {
+    std::lock_guard<SpinLock> g(mu);
+    sub(n);
+  }
 };
 
-inline Accounting& accounting() {
-  static Accounting* a = new Accounting();  // never destroyed: storages may die during interpreter exit
-  return *a;
-}
+// Never destroyed (storages may die during interpreter exit); a namespace-scope pointer, so that the hit
+// path reads it without a function-local static's guard.
+inline Accounting* const g_accounting = new Accounting();
+inline Accounting& accounting() { return *g_accounting; }
 
-// Context of a neuron storage's DataPtr: the source tensor it keeps alive and the root it counts (null
-// when its memory is counted by another neuron storage, case 2 above).
+// Context of a neuron storage's DataPtr: the source tensor it keeps alive, and what it counts: the root
+// in the map (shared buffers), or `own` bytes by itself (a fresh output), or nothing (null root and
+// own < 0: its memory is counted by another neuron storage, case 2 above).
 struct Holder {
   at::Tensor keep;
   const c10::StorageImpl* root;
+  int64_t own;
 };
 
 inline void drop_holder(void* ctx) {
   auto* h = static_cast<Holder*>(ctx);
   if (h->root != nullptr) accounting().release(h->root);
+  else if (h->own >= 0) accounting().sub_locked(h->own);
   delete h;
 }
 
@@ -90,16 +118,13 @@ struct Owned {
 inline void drop_owned(void* ctx) {
   auto* o = static_cast<Owned*>(ctx);
   c10::free_cpu(o->ptr);
-  {
-    std::lock_guard<std::mutex> g(accounting().mu);
-    accounting().sub(o->nbytes);
-  }
+  accounting().sub_locked(o->nbytes);
   delete o;
 }
 
 inline c10::CachingDeviceAllocator::DeviceStats device_stats() {
   Accounting& a = accounting();
-  std::lock_guard<std::mutex> g(a.mu);
+  std::lock_guard<SpinLock> g(a.mu);
   c10::CachingDeviceAllocator::DeviceStats s;
   // One pool ("all"); nothing is cached, so reserved = active = allocated = requested.
   constexpr size_t all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
@@ -115,14 +140,14 @@ inline c10::CachingDeviceAllocator::DeviceStats device_stats() {
 
 inline void reset_peak() {
   Accounting& a = accounting();
-  std::lock_guard<std::mutex> g(a.mu);
+  std::lock_guard<SpinLock> g(a.mu);
   a.bytes.reset_peak();
   a.buffers.reset_peak();
 }
 
 inline void reset_accumulated() {
   Accounting& a = accounting();
-  std::lock_guard<std::mutex> g(a.mu);
+  std::lock_guard<SpinLock> g(a.mu);
   a.bytes.reset_accumulated();
   a.buffers.reset_accumulated();
 }
@@ -134,10 +159,7 @@ struct NeuronAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t n) override {
     void* p = n == 0 ? nullptr : c10::alloc_cpu(n);
     auto* o = new Owned{p, static_cast<int64_t>(n)};
-    {
-      std::lock_guard<std::mutex> g(accounting().mu);
-      accounting().add(o->nbytes);
-    }
+    accounting().add_locked(o->nbytes);
     return c10::DataPtr(p, o, &drop_owned, c10::Device(c10::DeviceType::PrivateUse1, 0));
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {

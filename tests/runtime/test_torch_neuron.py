@@ -55,6 +55,27 @@ def test_memory_counters_are_bytes_of_live_neuron_storage() -> None:
 
 
 @native
+def test_outputs_of_the_native_hit_path_are_counted_and_uncounted() -> None:
+    # Repeated calls run on the native hit path, whose fresh outputs count their bytes without the root map.
+    gc.collect()
+    n = torch.neuron
+    x = torch.ones(64, 32, device=DEV)
+    base = n.memory_allocated()
+    for _ in range(3):  # the first call may take the Python path; the later ones are native hits
+        y = x * 2
+        values, indices = torch.max(x, dim=1)  # two outputs, two buffers
+        assert n.memory_allocated() - base == 64 * 32 * 4 + 64 * 4 + 64 * 8
+        del y, values, indices
+        gc.collect()
+        assert n.memory_allocated() == base, "every output's bytes are subtracted when it dies"
+    assert _hostmem.NATIVE.executions() > 0
+    with torch.no_grad():  # in place: no new memory
+        x.mul_(2)
+        x.add_(1)
+    assert n.memory_allocated() == base
+
+
+@native
 def test_memory_of_a_cpu_view_of_neuron_memory_is_counted_once() -> None:
     from neuron_runtime._hostmem import to_cpu, to_neuron
 
