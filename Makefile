@@ -29,7 +29,7 @@ test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: install
-	@for b in benchmarks/*.py; do echo "== $$b" >&2; $(BIN)/python $$b || exit 1; done
+	@for b in benchmarks/[!_]*.py; do echo "== $$b" >&2; $(BIN)/python $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -25,28 +25,11 @@ import subprocess
 import sys
 import tempfile
 
+import _models
+
 MODELS = r"""
 import torch
-
-def mlp():
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128),
-                               torch.nn.GELU(), torch.nn.Linear(128, 10)), (32, 64)
-
-class Block(torch.nn.Module):
-    def __init__(self, d=64, h=4):
-        super().__init__()
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.attn = torch.nn.MultiheadAttention(d, h, batch_first=True)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
-    def forward(self, x):
-        y = self.ln1(x)
-        x = x + self.attn(y, y, y, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-def block():
-    return Block(), (4, 16, 64)
-
-MAKERS = {"mlp": mlp, "transformer_block": block}
+from _models import MAKERS
 
 def step_fn(make, device, backend, new_batch=False, compile_opt=False):
     torch.manual_seed(0)
@@ -130,7 +113,8 @@ print(json.dumps(res))
 
 
 def _child(src: str, argv: list[str], env: dict[str, str]) -> dict[str, object]:
-    r = subprocess.run([sys.executable, "-c", src, *argv], env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", src, *argv], env=_models.child_env(env), capture_output=True,
+                       text=True)
     if r.returncode != 0:
         return {"error": r.stderr[-2000:]}
     return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+import _models
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_NEURONX_COMPILER", "reference")
 
@@ -160,16 +162,12 @@ def _rank(args: argparse.Namespace) -> int:
                 "neuron_GBps": round(nbytes / ta / 1e9, 3), "cpu_GBps": round(nbytes / tb / 1e9, 3),
                 "ratio": round(tb / ta, 3)}
 
-    def mlp(width: int) -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.GELU(), torch.nn.Linear(width, width),
-                                   torch.nn.GELU(), torch.nn.Linear(width, 10))
-
     for loop, width in (("fixed", 128), ("fresh+item", 128), ("wide", 512)):
         steps = {}
         for dev, group, wrap in (("neuron", None, True), ("cpu", gloo, True), ("neuron", None, False),
                                  ("cpu", None, False)):
             torch.manual_seed(0)
-            m = mlp(width).to(dev)
+            m = _models.mlp(width)[0].to(dev)
             m = DDP(m, process_group=group) if wrap else m
             opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
             g = torch.Generator().manual_seed(rank)

@@ -22,34 +22,20 @@ import subprocess
 import sys
 import tempfile
 
+import _models
+
 CHILD = r"""
 import json, os, statistics, sys, time, torch
 torch.set_num_threads(1)
 mode, steps, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
-def mlp():
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128),
-                               torch.nn.GELU(), torch.nn.Linear(128, 10)), (torch.randn(32, 64),)
-
-class Block(torch.nn.Module):
-    def __init__(self, d=64, h=4):
-        super().__init__()
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.attn = torch.nn.MultiheadAttention(d, h, batch_first=True)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
-    def forward(self, x):
-        y = self.ln1(x)
-        x = x + self.attn(y, y, y, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-def block():
-    return Block(), (torch.randn(4, 16, 64),)
+from _models import block, mlp
 
 def step_fn(make, device, compiled=False):
     torch.manual_seed(0)
-    model, (x,) = make()
+    model, shape = make()
     model = model.to(device)
-    x = x.to(device)
+    x = torch.randn(*shape).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fwd = torch.compile(model) if compiled else model
     losses = []
@@ -113,7 +99,7 @@ def main() -> int:
     for mode, extra in modes.items():
         arg = "compile" if mode == "torch_compile" else "neuron"
         r = subprocess.run([sys.executable, "-c", CHILD, arg, str(args.steps), str(args.rounds)],
-                           env=dict(base, **extra), capture_output=True, text=True)
+                           env=_models.child_env(dict(base, **extra)), capture_output=True, text=True)
         if r.returncode != 0:
             results[mode] = {"error": r.stderr[-1500:]}
             continue
