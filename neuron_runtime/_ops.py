@@ -133,6 +133,17 @@ class OpInfo:
     n_returns: int = 0
     returns_list: bool = False    # returns a single Tensor[]
 
+    @property
+    def writes_lists(self) -> bool:
+        """A mutating op that writes tensor lists, every mutated argument positional (`_foreach_mul_`,
+        `_fused_adamw_`): one an in-place executable can serve (`compiler._base`, `writes_inputs`)."""
+        if self.kind != "mutating" or not self.mutable:
+            return False
+        by_name = {a.name: a for a in self.args}
+        mutated = [by_name[m] for m in self.mutable]
+        return not any(a.kwarg_only for a in mutated) and any(a.kind == TENSORS for a in mutated) and \
+            all(a.kind in (TENSOR, TENSORS) for a in mutated)
+
 
 def _arg_kind(a: Any) -> str:
     t = str(a.type)

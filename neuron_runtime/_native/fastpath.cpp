@@ -452,6 +452,7 @@ struct Entry {
   std::optional<c10::OperatorHandle> aten;
   AotiCall aoti;
   PyObject* exe = nullptr;  // strong reference; the GIL is taken to release it
+  bool inplace = false;      // the executable writes the mutated arguments itself (compiler._base)
   bool python_only = false;  // the slow path keeps no executable for this key (a host fallback), or
                              // fusion queues these calls and this file cannot (its Python kernel does)
   // Fusion queues these calls in the native queue (below): the Python op info and key to hand a group
@@ -899,6 +900,12 @@ struct OpState final : c10::OperatorKernel {
       }
       if (mutated >= 0) {
         const c10::IValue& target = (*stack)[base + mutated];
+        if (e.inplace) {  // written already: nothing to copy back
+          c10::IValue self = target.isTensorList() ? c10::IValue() : target;
+          torch::jit::drop(*stack, n);
+          if (self.isTensor()) stack->push_back(std::move(self));
+          return true;
+        }
         if (target.isTensorList()) {  // `_foreach_add_`: every result into its list element
           const auto& l = target.toTensorList();
           if (outs.size() != l.size()) return false;
@@ -1052,6 +1059,7 @@ struct OpState final : c10::OperatorKernel {
         e->aten = *handle;
       }
       if (!e->aten) e->aoti.read(exe);
+      e->inplace = py::hasattr(exe, "__neuron_inplace__");
       e->exe = exe.release().ptr();
     }
     std::lock_guard<std::mutex> lock(mu);
