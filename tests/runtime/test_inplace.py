@@ -32,16 +32,22 @@ def _grads(step: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_adamw_params_and_moments_equal_cpu(fresh_runtime: _dispatch.Runtime, kind: str, amsgrad: bool) -> None:
     """A few AdamW steps: parameters, both moments (and amsgrad's max) and step counts as on CPU."""
-    runs: dict[str, tuple[list[torch.nn.Parameter], torch.optim.Optimizer]] = {}
+    runs: dict[str, tuple[list[torch.nn.Parameter], torch.optim.Optimizer, Any]] = {}
     for device in ("cpu", DEV):
         ps = _params(device)
-        runs[device] = (ps, torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, amsgrad=amsgrad, **{kind: True}))
+        opt = torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, amsgrad=amsgrad, **{kind: True})
+        # A new learning rate every step, as the Trainer's linear schedule gives.
+        runs[device] = (ps, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.1 * i))
+    compiles = []
     for step in range(4):
-        for device, (ps, opt) in runs.items():
+        for device, (ps, opt, sched) in runs.items():
             for p, g in zip(ps, _grads(step)):
                 p.grad = g.to(device)
             opt.step()
-    (pc, oc), (pd, od) = runs["cpu"], runs[DEV]
+            sched.step()
+        compiles.append(neuron_runtime.stats()["compiles"])
+    assert compiles[1] == compiles[-1], f"the learning rate's changes made new keys: compiles {compiles}"
+    (pc, oc, _), (pd, od, _) = runs["cpu"], runs[DEV]
     for c, d in zip(pc, pd):
         assert_same(c.detach(), d.detach(), atol=0, rtol=0)
         sc, sd = oc.state[c], od.state[d]
