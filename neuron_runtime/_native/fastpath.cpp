@@ -900,12 +900,7 @@ struct OpState final : c10::OperatorKernel {
       }
       if (mutated >= 0) {
         const c10::IValue& target = (*stack)[base + mutated];
-        if (e.inplace) {  // written already: nothing to copy back
-          c10::IValue self = target.isTensorList() ? c10::IValue() : target;
-          torch::jit::drop(*stack, n);
-          if (self.isTensor()) stack->push_back(std::move(self));
-          return true;
-        }
+        if (e.inplace) return finish_in_place(stack, base, n);
         if (target.isTensorList()) {  // `_foreach_add_`: every result into its list element
           const auto& l = target.toTensorList();
           if (outs.size() != l.size()) return false;
@@ -935,6 +930,15 @@ struct OpState final : c10::OperatorKernel {
     for (size_t i = 0; i < n_returns; ++i) {
       stack->emplace_back(outs[i].defined() ? to_neuron_fresh(std::move(outs[i])) : at::Tensor());
     }
+    return true;
+  }
+
+  // An in-place executable wrote the mutated argument already: nothing to copy back, the argument (a
+  // tensor) is returned. Out of line and cold, so `run` stays as small for every other op.
+  __attribute__((noinline, cold)) bool finish_in_place(Stack* stack, size_t base, size_t n) const {
+    c10::IValue target = (*stack)[base + mutated];
+    torch::jit::drop(*stack, n);
+    if (target.isTensor()) stack->push_back(std::move(target));
     return true;
   }
 
