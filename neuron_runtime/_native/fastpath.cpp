@@ -561,6 +561,8 @@ struct OpState final : c10::OperatorKernel {
   std::vector<bool> kwarg_only;      // per schema argument
   std::vector<std::string> names;    // per schema argument
   int mutated = -1;                  // in-place: the argument the op writes (and returns)
+  bool several_mutated = false;      // it writes more than one argument (`_fused_adamw_`): only entries
+                                     // of in-place executables run here, the others in Python
   size_t n_returns = 0;
   bool returns_list = false;         // a single Tensor[] return
   PyObject* kernel = nullptr;        // the Python kernel (never released: states live for the process)
@@ -1049,6 +1051,10 @@ struct OpState final : c10::OperatorKernel {
       }
       exe = t[0];
     }
+    if (several_mutated && !(!exe.is_none() && py::hasattr(exe, "__neuron_inplace__"))) {
+      e->python_only = true;  // results to copy into several arguments: the Python kernel does that
+      e->queue = false;
+    }
     if (queue_only && !e->queue) return nullptr;
     if (e->python_only || exe.is_none()) {
       e->python_only = true;
@@ -1384,8 +1390,9 @@ void register_special(const std::string& qualname, int which, std::vector<bool> 
 
 void register_compute(const std::string& qualname, std::vector<int> kinds, std::vector<bool> kwarg_only,
                       std::vector<std::string> names, int mutated, size_t n_returns, bool returns_list,
-                      py::object kernel, py::object lookup) {
+                      py::object kernel, py::object lookup, bool several_mutated) {
   auto state = std::make_unique<OpState>();
+  state->several_mutated = several_mutated;
   state->kinds = std::move(kinds);
   state->kwarg_only = std::move(kwarg_only);
   state->names = std::move(names);

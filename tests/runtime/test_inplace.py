@@ -11,7 +11,7 @@ import torch
 from rt_helpers import DEV, assert_same
 
 import neuron_runtime
-from neuron_runtime import _dispatch, _ops
+from neuron_runtime import _dispatch, _hostmem, _ops
 from neuron_runtime.compiler._reference import ReferenceCompiler
 
 SHAPES = [(16, 8), (8,), (8, 24), (24,), (4, 4, 2), ()]
@@ -59,6 +59,11 @@ def test_adamw_params_and_moments_equal_cpu(fresh_runtime: _dispatch.Runtime, ki
     assert s["fallbacks"] == 0 and s["host_ops"] == 0, s
     op = "aten::_fused_adamw_" if kind == "fused" else "aten::_foreach_addcdiv_.ScalarList"
     assert _in_place_keys(op), f"{op} ran no in-place executable"
+    native = _hostmem.NATIVE
+    if native is not None and kind == "fused":  # the step's two ops (`_foreach_add_` of the step
+        before = native.executions()             # counts, `_fused_adamw_`) both run natively
+        od.step()
+        assert native.executions() - before >= 2
 
 
 def _in_place_keys(qualname: str) -> list[Any]:
@@ -124,6 +129,29 @@ def test_a_tier_without_writes_inputs_copies_back(fresh_runtime: _dispatch.Runti
     assert_same([torch.full((4,), 4.0), torch.full((2,), 4.0)], xs)
     _, exes = _dispatch._EXES["aten::_foreach_mul_.Scalar"]
     assert exes and not _in_place_keys("aten::_foreach_mul_.Scalar")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_adamw_on_a_tier_without_writes_inputs_equals_cpu(fresh_runtime: _dispatch.Runtime,
+                                                                 fused: bool) -> None:
+    """`_fused_adamw_` writes four lists: on a tier without in-place executables the native path hands
+    its calls to the Python kernel, which copies the functional results back (hit path included)."""
+    class Functional(ReferenceCompiler):
+        writes_inputs = False
+
+    fresh_runtime.set_compiler(Functional())
+    kind = {"fused": True} if fused else {"foreach": True}
+    pc, pd = _params("cpu"), _params(DEV)
+    oc, od = torch.optim.AdamW(pc, lr=0.05, **kind), torch.optim.AdamW(pd, lr=0.05, **kind)
+    for step in range(3):
+        for ps, opt in ((pc, oc), (pd, od)):
+            for p, g in zip(ps, _grads(step)):
+                p.grad = g.to(p.device)
+            opt.step()
+    for c, d in zip(pc, pd):
+        assert_same(c.detach(), d.detach(), atol=0, rtol=0)
+        assert_same(oc.state[c]["exp_avg_sq"], od.state[d]["exp_avg_sq"], atol=0, rtol=0)
+    assert not _in_place_keys("aten::_fused_adamw_" if fused else "aten::_foreach_addcdiv_.ScalarList")
 
 
 def test_in_place_signatures_are_their_own_keys(fresh_runtime: _dispatch.Runtime) -> None:
