@@ -7,6 +7,8 @@ compiled and loaded: background compiles are waited for), then interleaved round
 per device; steps/s of a round is measured from the end of its first step to the end of its last (the
 Trainer's set-up is not a step). Medians over rounds, ratio neuron/CPU. Two model sizes.
 
+Flags: `--quick` (3 rounds of 8 steps), `--cases tiny,small,tiny_foreach_adamw`, `--no-cold`.
+
 Cold: the first step of a fresh process (`--cold`, run in a subprocess with an empty local cache and
 fresh compiler scratch dirs, in the default background compile mode), from `trainer.train()` to the
 end of step 1, beside the same process's later step time.
@@ -131,12 +133,18 @@ def main() -> int:
         return 0
     quick = "--quick" in sys.argv
     rounds, steps = (3, 8) if quick else (5, 12)
+    # `--cases tiny,small`: only these (default: all of CASES); `--no-cold`: skip the cold subprocess.
+    cases = sys.argv[sys.argv.index("--cases") + 1].split(",") if "--cases" in sys.argv else list(CASES)
     with tempfile.TemporaryDirectory() as out:
         result = {"tier": neuron_runtime.stats()["compiler"], "threads": torch.get_num_threads(),
                   "rounds": rounds, "steps_per_round": steps}
-        for case, (size, optim) in CASES.items():
+        result["load"] = os.getloadavg()
+        for case in cases:
+            size, optim = CASES[case]
             result[case] = compare(size, optim, steps, rounds, out)
-    result["cold_tiny"] = cold_subprocess()
+        result["load_after"] = os.getloadavg()
+    if "--no-cold" not in sys.argv:
+        result["cold_tiny"] = cold_subprocess()
     print(json.dumps(result, indent=2))
     return 0
 

@@ -282,7 +282,8 @@ class Runtime:
         plan = self.widened.get((info.qualname, key))
         if plan is not None:  # the host kernel lacks one of these dtypes: computed wider
             return self.widen(info, key, values, plan=plan)
-        f = info.functional or info
+        inplace = self.writes_in_place(info)
+        f = info if inplace else info.functional or info
         fvalues = values if f is info else tuple(v for a, v in zip(info.args, values)
                                                  if not (a.mutable and a.kwarg_only))
         host_values = tuple(to_host(v, strict=a.kind != _ops.OPT_TENSORS) for a, v in zip(info.args, values))
@@ -297,6 +298,8 @@ class Runtime:
             return self.host_or_widen(info, key, values, host_values, counter="host_runs")[0]
         try:
             sig = _signature.build(f, fvalues)
+            if inplace:
+                sig["writes"] = list(info.mutable)
             exe, digest = self.resolver.resolve(sig)
         except (CompileRefused, _signature.SignatureError) as e:
             return self.refused(info, key, None, str(e), values, host_values)
@@ -311,9 +314,14 @@ class Runtime:
         tensors, scalars = flatten(f, host_values if f is info else
                                    tuple(v for a, v in zip(info.args, host_values)
                                          if not (a.mutable and a.kwarg_only)))
+        # An in-place executable writes the mutated tensors themselves: if it fails, what it wrote is
+        # restored before the host runs the op (the first call of a key; see compiler._base).
+        saved = [h.clone() for h in _mutated_views(info, host_values)] if inplace else []
         try:
             outs = exe(tensors, scalars)
         except Exception as e:  # noqa: BLE001
+            for h, c in zip(_mutated_views(info, host_values), saved):
+                h.copy_(c)
             # Either the op is invalid for these inputs (the host raises the user's error), or the host
             # kernel lacks their dtype (computed wider from now on), or the executable is broken (the
             # host succeeds, and this key falls back from now on).
@@ -325,13 +333,20 @@ class Runtime:
             self.counts["executions"] += 1
         if self.fusion is not None:
             self.fusion.learn(info, key, sig, list(outs))
-        result = self.finish(info, values, host_values, list(outs))
+        result = self.mutating_result(info, values, [a.name for a in info.args]) if inplace else \
+            self.finish(info, values, host_values, list(outs))
         exes[key] = exe  # undefined outputs (None) stay None on the hit path too
         if waited is not None:
             # Compiled in the background: the native layer learnt this key as "Python only" meanwhile.
             del self.waiting[(info.qualname, key)]
             _forget_native()
         return result
+
+    def writes_in_place(self, info: _ops.OpInfo) -> bool:
+        """Whether this op's executables write its mutated tensor lists in place (`compiler._base`)
+        rather than return fresh results to copy back: the compiler tier can, and fusion is off (its
+        groups learn from functional results)."""
+        return info.writes_lists and self.fusion is None and self.compiler.writes_inputs
 
     def refused(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any] | None, why: str,
                 values: tuple[Any, ...], host_values: tuple[Any, ...]) -> Any:
@@ -475,6 +490,15 @@ def regroup(info: _ops.OpInfo, values: tuple[Any, ...], outs: list[Any]) -> list
         grouped.append(outs[i:i + n] if isinstance(v, (list, tuple)) else outs[i])
         i += n
     return grouped
+
+
+def _mutated_views(info: _ops.OpInfo, host_values: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The CPU views of the tensors a mutating op writes, flattened."""
+    out: list[torch.Tensor] = []
+    for a, h in zip(info.args, host_values):
+        if a.name in info.mutable:
+            out.extend(h if isinstance(h, (list, tuple)) else [h])
+    return out
 
 
 def _copy_back_all(info: _ops.OpInfo, values: tuple[Any, ...], outs: list[Any]) -> None:
@@ -675,10 +699,12 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     if info.kind == "mutating" and len(info.mutable) == 1 and f.returns_list and \
             mutated.get(info.mutable[0], "").startswith("_zl"):
         # One list mutated, one list returned (`_foreach_add_`): copy into the CPU views taken above.
-        lines.append(f"    if {mutated[info.mutable[0]]}: _zFC({mutated[info.mutable[0]]}, _zouts)")
+        # An in-place executable (`compiler._base`) returns [] and has written them already.
+        lines.append(f"    if _zouts: _zFC({mutated[info.mutable[0]]}, _zouts)")
     elif info.kind == "mutating" and any(a.kind in (_ops.TENSORS, _ops.OPT_TENSORS) for a in info.args
                                          if a.name in info.mutable):
-        lines.append(f"    _zCBA(_zINFO, {values}, _zouts)")  # lists of tensors mutated (fused optimizers)
+        # Lists of tensors mutated (fused optimizers); an in-place executable returns [] instead.
+        lines.append(f"    if _zouts: _zCBA(_zINFO, {values}, _zouts)")
     elif info.kind == "mutating":
         for i, m in enumerate(info.mutable):
             if m in mutated and mutated[m].startswith("_zc"):

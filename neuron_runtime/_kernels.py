@@ -156,7 +156,7 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
     mutated = info.args.index(next(a for a in info.args if a.name == info.mutable[0])) if info.mutable else -1
     native.register_compute(qualname, [_NATIVE_KINDS[a.kind] for a in info.args],
                             [a.kwarg_only for a in info.args], [a.name for a in info.args], mutated,
-                            info.n_returns, info.returns_list, kernel, lookup)
+                            info.n_returns, info.returns_list, kernel, lookup, len(info.mutable) > 1)
     return True
 
 
@@ -169,8 +169,13 @@ def _native_eligible(info: _ops.OpInfo) -> bool:
     if info.kind == "compute":
         return returns == ["List[Tensor]"] if info.returns_list else bool(returns) and \
             all(r == "Tensor" for r in returns)
-    if info.kind != "mutating" or len(info.mutable) != 1 or info.functional is None or \
-            len(info.functional.args) != len(info.args):
+    if info.kind != "mutating" or info.functional is None or len(info.functional.args) != len(info.args):
+        return False
+    if len(info.mutable) > 1:
+        # Several lists written (`_fused_adamw_`): the native path serves only in-place executables'
+        # entries (nothing to copy back); the others it hands to the Python kernel (`several_mutated`).
+        return info.writes_lists and not returns
+    if len(info.mutable) != 1:
         return False
     m = next(a for a in info.args if a.name == info.mutable[0])
     if m.kwarg_only:

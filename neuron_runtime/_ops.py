@@ -42,6 +42,15 @@ STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_
 # `_foreach_lerp_(exp_avgs, grads, 1 - beta1)` passes a constant. Likewise a norm's order p and the
 # shrinkage/margin constants whose kernels branch on their value (export: "Could not guard on
 # data-dependent expression").
+# `float` arguments that change every step and are fed at run time like a Scalar (keyed by type), with
+# why: the fused optimizers' learning rate follows the LR scheduler (the Trainer's default is linear
+# decay), so keyed by value it made a new key, and a new compile or host run, every step. A compiler that
+# cannot take a run-time value for a `float` (aoti: `_check_scalar_schema`) refuses the key once instead,
+# and the op then runs on the host (in place, on the tensors' own memory).
+RUNTIME_FLOATS = {op: {"lr": "the LR scheduler changes it every step"}
+                  for op in ("aten::_fused_adamw_", "aten::_fused_adamw", "aten::_fused_adam_", "aten::_fused_adam",
+                             "aten::_fused_sgd_", "aten::_fused_sgd")}
+
 STRUCTURAL_SCALAR_OPS = {"addmm", "addmv", "addbmm", "baddbmm", "addr", "_addmm_activation",
                          "arange", "linspace", "logspace", "lerp", "_foreach_lerp",
                          "norm", "renorm", "dist", "multi_margin_loss", "multi_margin_loss_backward",
@@ -132,6 +141,17 @@ class OpInfo:
     returns_args: list[str] = dataclasses.field(default_factory=list)  # mutating: the arg each return is
     n_returns: int = 0
     returns_list: bool = False    # returns a single Tensor[]
+
+    @property
+    def writes_lists(self) -> bool:
+        """A mutating op that writes tensor lists, every mutated argument positional (`_foreach_mul_`,
+        `_fused_adamw_`): one an in-place executable can serve (`compiler._base`, `writes_inputs`)."""
+        if self.kind != "mutating" or not self.mutable:
+            return False
+        by_name = {a.name: a for a in self.args}
+        mutated = [by_name[m] for m in self.mutable]
+        return not any(a.kwarg_only for a in mutated) and any(a.kind == TENSORS for a in mutated) and \
+            all(a.kind in (TENSOR, TENSORS) for a in mutated)
 
 
 def _arg_kind(a: Any) -> str:
@@ -241,6 +261,9 @@ def classify(qualname: str, special: bool = True) -> OpInfo:
         for arg in args:
             if arg.kind == SCALAR:
                 arg.kind = VALUE
+    for arg in args:
+        if arg.name in RUNTIME_FLOATS.get(qualname, ()) and arg.kind == VALUE:
+            arg.kind = SCALAR
     n_ret, ret_list, all_tensors = _returns(schema)
     info = OpInfo(qualname, op, args, "compute", n_returns=n_ret, returns_list=ret_list)
     mutable = [a for a in schema.arguments if a.alias_info and a.alias_info.is_write]

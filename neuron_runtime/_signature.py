@@ -13,7 +13,8 @@ Tensors enter by dtype, sizes and strides. Not keyed, on purpose:
   * aliasing between inputs: executables are functional (fresh outputs; in-place ops copy back after),
     so inputs that share memory compute the same result as copies would.
 Run-time scalars (arguments the schema types `Scalar`) are keyed by type; their values are fed to the
-executable. Arguments typed `float` (eps, momentum, dropout p) are hyperparameters, keyed by value.
+executable. Arguments typed `float` (eps, momentum, dropout p) are hyperparameters, keyed by value,
+except the few that change every step (`_ops.RUNTIME_FLOATS`: the fused optimizers' learning rate).
 """
 
 from __future__ import annotations

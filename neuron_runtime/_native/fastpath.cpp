@@ -452,6 +452,7 @@ struct Entry {
   std::optional<c10::OperatorHandle> aten;
   AotiCall aoti;
   PyObject* exe = nullptr;  // strong reference; the GIL is taken to release it
+  bool inplace = false;      // the executable writes the mutated arguments itself (compiler._base)
   bool python_only = false;  // the slow path keeps no executable for this key (a host fallback), or
                              // fusion queues these calls and this file cannot (its Python kernel does)
   // Fusion queues these calls in the native queue (below): the Python op info and key to hand a group
@@ -560,6 +561,8 @@ struct OpState final : c10::OperatorKernel {
   std::vector<bool> kwarg_only;      // per schema argument
   std::vector<std::string> names;    // per schema argument
   int mutated = -1;                  // in-place: the argument the op writes (and returns)
+  bool several_mutated = false;      // it writes more than one argument (`_fused_adamw_`): only entries
+                                     // of in-place executables run here, the others in Python
   size_t n_returns = 0;
   bool returns_list = false;         // a single Tensor[] return
   PyObject* kernel = nullptr;        // the Python kernel (never released: states live for the process)
@@ -899,6 +902,7 @@ struct OpState final : c10::OperatorKernel {
       }
       if (mutated >= 0) {
         const c10::IValue& target = (*stack)[base + mutated];
+        if (e.inplace) return finish_in_place(stack, base, n);
         if (target.isTensorList()) {  // `_foreach_add_`: every result into its list element
           const auto& l = target.toTensorList();
           if (outs.size() != l.size()) return false;
@@ -928,6 +932,15 @@ struct OpState final : c10::OperatorKernel {
     for (size_t i = 0; i < n_returns; ++i) {
       stack->emplace_back(outs[i].defined() ? to_neuron_fresh(std::move(outs[i])) : at::Tensor());
     }
+    return true;
+  }
+
+  // An in-place executable wrote the mutated argument already: nothing to copy back, the argument (a
+  // tensor) is returned. Out of line and cold, so `run` stays as small for every other op.
+  __attribute__((noinline, cold)) bool finish_in_place(Stack* stack, size_t base, size_t n) const {
+    c10::IValue target = (*stack)[base + mutated];
+    torch::jit::drop(*stack, n);
+    if (target.isTensor()) stack->push_back(std::move(target));
     return true;
   }
 
@@ -1038,6 +1051,10 @@ struct OpState final : c10::OperatorKernel {
       }
       exe = t[0];
     }
+    if (several_mutated && !(!exe.is_none() && py::hasattr(exe, "__neuron_inplace__"))) {
+      e->python_only = true;  // results to copy into several arguments: the Python kernel does that
+      e->queue = false;
+    }
     if (queue_only && !e->queue) return nullptr;
     if (e->python_only || exe.is_none()) {
       e->python_only = true;
@@ -1052,6 +1069,7 @@ struct OpState final : c10::OperatorKernel {
         e->aten = *handle;
       }
       if (!e->aten) e->aoti.read(exe);
+      e->inplace = py::hasattr(exe, "__neuron_inplace__");
       e->exe = exe.release().ptr();
     }
     std::lock_guard<std::mutex> lock(mu);
@@ -1372,8 +1390,9 @@ void register_special(const std::string& qualname, int which, std::vector<bool> 
 
 void register_compute(const std::string& qualname, std::vector<int> kinds, std::vector<bool> kwarg_only,
                       std::vector<std::string> names, int mutated, size_t n_returns, bool returns_list,
-                      py::object kernel, py::object lookup) {
+                      py::object kernel, py::object lookup, bool several_mutated) {
   auto state = std::make_unique<OpState>();
+  state->several_mutated = several_mutated;
   state->kinds = std::move(kinds);
   state->kwarg_only = std::move(kwarg_only);
   state->names = std::move(names);

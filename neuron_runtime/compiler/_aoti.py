@@ -91,6 +91,11 @@ class ArtifactMismatch(RuntimeError):
 class AotiCompiler(Compiler):
     name = "aoti"
     format_version = 1
+    # In-place executables (`writes_inputs`, compiler._base) are not built here yet: mutating ops compile
+    # their functional variant and the runtime copies the results back. What it would take: export
+    # `build_call` of the functional op followed by `T[i].copy_(result)` for each mutated input, as a fused
+    # group's `into` already does (AOTInductor then writes those inputs' buffers), and a self-check that
+    # compares what was written; see docs/compilers.md.
 
     def __init__(self, march: str | None = None, simdlen: int | None = None,
                  local_cache_dir: str | None = None) -> None:

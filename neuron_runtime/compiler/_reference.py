@@ -81,7 +81,9 @@ def build_call(signature: dict[str, Any], op: Any, wrapped_as_tensors: bool = Fa
     n_ret = len(op._schema.returns)
     ret_list = [str(r.type) for r in op._schema.returns] == ["List[Tensor]"]
     call = f"OP({', '.join(pos + kw)})"
-    if ret_list:
+    if signature.get("writes"):  # in place (`compiler._base`): the op writes into its arguments' memory
+        body = f"{call}\n    return []"
+    elif ret_list:
         body = f"return {call}"
     elif n_ret == 1:
         body = f"return [{call}]"
@@ -98,6 +100,7 @@ def build_call(signature: dict[str, Any], op: Any, wrapped_as_tensors: bool = Fa
 class ReferenceCompiler(Compiler):
     name = "reference"
     format_version = 1
+    writes_inputs = True  # an in-place signature runs the in-place aten op on the CPU views themselves
 
     def fingerprint(self) -> dict[str, Any]:
         return {"tier": self.name, "format": self.format_version, "torch": torch.__version__,
@@ -120,6 +123,8 @@ class ReferenceCompiler(Compiler):
         run = build_call(sig, _resolve(sig["op"]))
         # The whole executable is this aten op on host memory: the native hit path calls it directly.
         run.__neuron_aten__ = sig["op"]  # type: ignore[attr-defined]
+        if sig.get("writes"):
+            run.__neuron_inplace__ = True  # type: ignore[attr-defined]
         return run
 
 

@@ -1,0 +1,170 @@
+"""In-place executables (`compiler._base`, `writes_inputs`): ops that mutate tensor lists (`_foreach_*_`,
+`_fused_adamw_`) run an executable that writes the neuron tensors' memory itself, on the reference tier.
+Results are checked against the same ops on CPU; views and aliases of a mutated tensor see the update."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from rt_helpers import DEV, assert_same
+
+import neuron_runtime
+from neuron_runtime import _dispatch, _hostmem, _ops
+from neuron_runtime.compiler._reference import ReferenceCompiler
+
+SHAPES = [(16, 8), (8,), (8, 24), (24,), (4, 4, 2), ()]
+
+
+def _params(device: str) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in SHAPES]
+    return ps
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adamw_params_and_moments_equal_cpu(fresh_runtime: _dispatch.Runtime, kind: str, amsgrad: bool) -> None:
+    """A few AdamW steps: parameters, both moments (and amsgrad's max) and step counts as on CPU."""
+    runs: dict[str, tuple[list[torch.nn.Parameter], torch.optim.Optimizer, Any]] = {}
+    for device in ("cpu", DEV):
+        ps = _params(device)
+        opt = torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, amsgrad=amsgrad, **{kind: True})
+        # A new learning rate every step, as the Trainer's linear schedule gives.
+        runs[device] = (ps, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.1 * i))
+    compiles = []
+    for step in range(4):
+        for device, (ps, opt, sched) in runs.items():
+            for p, g in zip(ps, _grads(step)):
+                p.grad = g.to(device)
+            opt.step()
+            sched.step()
+        compiles.append(neuron_runtime.stats()["compiles"])
+    assert compiles[1] == compiles[-1], f"the learning rate's changes made new keys: compiles {compiles}"
+    (pc, oc, _), (pd, od, _) = runs["cpu"], runs[DEV]
+    for c, d in zip(pc, pd):
+        assert_same(c.detach(), d.detach(), atol=0, rtol=0)
+        sc, sd = oc.state[c], od.state[d]
+        names = ["exp_avg", "exp_avg_sq", "step"] + (["max_exp_avg_sq"] if amsgrad else [])
+        for name in names:  # foreach keeps `step` on the CPU, as it does for CPU parameters
+            torch.testing.assert_close(sd[name].cpu(), sc[name], atol=0, rtol=0)
+            assert sd[name].device.type == (DEV if name != "step" or kind == "fused" else "cpu")
+    s = neuron_runtime.stats()
+    assert s["fallbacks"] == 0 and s["host_ops"] == 0, s
+    op = "aten::_fused_adamw_" if kind == "fused" else "aten::_foreach_addcdiv_.ScalarList"
+    assert _in_place_keys(op), f"{op} ran no in-place executable"
+    native = _hostmem.NATIVE
+    if native is not None and kind == "fused":  # the step's two ops (`_foreach_add_` of the step
+        before = native.executions()             # counts, `_fused_adamw_`) both run natively
+        od.step()
+        assert native.executions() - before >= 2
+
+
+def _in_place_keys(qualname: str) -> list[Any]:
+    """The kernel's keys whose executable writes in place."""
+    _, exes = _dispatch._EXES[qualname]
+    return [k for k, e in exes.items() if getattr(e, "__neuron_inplace__", False)]
+
+
+def test_views_and_aliases_see_the_update(fresh_runtime: _dispatch.Runtime) -> None:
+    """The executable writes the tensors' own memory: a view taken before the op, a tensor sharing the
+    storage, and a slice of a bigger buffer passed in the list all read the new values."""
+    base_c = torch.arange(24.0).reshape(4, 6)
+    base_d = base_c.to(DEV)
+    for base in (base_c, base_d):
+        rows = [base[1], base[2:4]]  # views into one buffer, passed in the list
+        whole = base.view(-1)
+        before = base[1, :3]
+        for _ in range(2):
+            torch._foreach_mul_(rows, 2.0)
+            torch._foreach_add_(rows, [torch.ones(6, device=base.device), torch.ones(2, 6, device=base.device)],
+                                alpha=0.5)
+        if base is base_d:
+            assert_same(base_c, base_d)
+            assert_same(base_c.view(-1), whole)
+            assert_same(base_c[1, :3], before)
+            assert before._base is base_d and whole._version == base_d._version
+    assert _in_place_keys("aten::_foreach_mul_.Scalar") and _in_place_keys("aten::_foreach_add_.List")
+
+
+def test_aliased_list_elements_update_as_on_cpu(fresh_runtime: _dispatch.Runtime) -> None:
+    """The same tensor twice in a mutated list (the key holds no aliasing): written twice, as on CPU."""
+    xc = torch.ones(5)
+    xd = xc.to(DEV)
+    torch._foreach_mul_([xc, xc], 3.0)
+    torch._foreach_mul_([xd, xd], 3.0)
+    assert_same(xc, xd)
+    assert xd.cpu().eq(9).all()
+
+
+def test_failed_in_place_run_is_restored_then_raises_like_cpu(fresh_runtime: _dispatch.Runtime) -> None:
+    """A list whose second tensor cannot take the update: the first tensor is not left half-updated by
+    the executable's first run (restored, then the host raises the user's error as CPU does)."""
+    def run(device: str) -> tuple[list[torch.Tensor], str]:
+        xs = [torch.ones(3, device=device), torch.ones(3, dtype=torch.long, device=device)]
+        with pytest.raises(RuntimeError) as e:
+            torch._foreach_mul_(xs, 0.5)
+        return xs, str(e.value)
+
+    (xc, ec), (xd, ed) = run("cpu"), run(DEV)
+    assert_same(xc, xd)
+    assert "Float" in ec and "Long" in ec and "Float" in ed and "Long" in ed, (ec, ed)
+
+
+def test_a_tier_without_writes_inputs_copies_back(fresh_runtime: _dispatch.Runtime) -> None:
+    """A compiler that does not write inputs gets the functional variant's signature, as before."""
+    class Functional(ReferenceCompiler):
+        writes_inputs = False
+
+    fresh_runtime.set_compiler(Functional())
+    xs = [torch.ones(4, device=DEV), torch.ones(2, device=DEV)]
+    for _ in range(2):
+        torch._foreach_mul_(xs, 2.0)
+    assert_same([torch.full((4,), 4.0), torch.full((2,), 4.0)], xs)
+    _, exes = _dispatch._EXES["aten::_foreach_mul_.Scalar"]
+    assert exes and not _in_place_keys("aten::_foreach_mul_.Scalar")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_adamw_on_a_tier_without_writes_inputs_equals_cpu(fresh_runtime: _dispatch.Runtime,
+                                                                 fused: bool) -> None:
+    """`_fused_adamw_` writes four lists: on a tier without in-place executables the native path hands
+    its calls to the Python kernel, which copies the functional results back (hit path included)."""
+    class Functional(ReferenceCompiler):
+        writes_inputs = False
+
+    fresh_runtime.set_compiler(Functional())
+    kind = {"fused": True} if fused else {"foreach": True}
+    pc, pd = _params("cpu"), _params(DEV)
+    oc, od = torch.optim.AdamW(pc, lr=0.05, **kind), torch.optim.AdamW(pd, lr=0.05, **kind)
+    for step in range(3):
+        for ps, opt in ((pc, oc), (pd, od)):
+            for p, g in zip(ps, _grads(step)):
+                p.grad = g.to(p.device)
+            opt.step()
+    for c, d in zip(pc, pd):
+        assert_same(c.detach(), d.detach(), atol=0, rtol=0)
+        assert_same(oc.state[c]["exp_avg_sq"], od.state[d]["exp_avg_sq"], atol=0, rtol=0)
+    assert not _in_place_keys("aten::_fused_adamw_" if fused else "aten::_foreach_addcdiv_.ScalarList")
+
+
+def test_in_place_signatures_are_their_own_keys(fresh_runtime: _dispatch.Runtime) -> None:
+    """The in-place signature names the mutating op and what it writes: never the functional one's key."""
+    from neuron_runtime import _signature
+
+    info = _ops.classify("aten::_foreach_mul_.Scalar")
+    assert info.writes_lists and not _ops.classify("aten::add_.Tensor").writes_lists
+    xs = [torch.ones(4)]
+    inplace = dict(_signature.build(info, (xs, 2.0)), writes=["self"])
+    functional = _signature.build(info.functional, (xs, 2.0))
+    fp = fresh_runtime.fingerprint
+    assert _signature.cache_key(inplace, fp) != _signature.cache_key(functional, fp)
+    run = ReferenceCompiler().load(ReferenceCompiler().compile(inplace))
+    t = torch.ones(4)
+    assert run([t], [3.0]) == [] and t.eq(3).all()
