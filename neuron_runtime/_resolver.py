@@ -213,11 +213,11 @@ class Resolver:
 
     def candidates(self, sig: dict[str, Any]) -> list[dict[str, Any]]:
         """The signatures whose executables can serve `sig`, most general first (the exact one last):
-        its shape class (`_shapes`, TORCH_NEURONX_SHAPES), then `sig`. Called on memory-tier misses only."""
+        its shape classes (`_shapes.classes`: the flat class of an elementwise op, the ranked class;
+        TORCH_NEURONX_SHAPES), then `sig`. Called on memory-tier misses only."""
         if _shapes.is_class(sig) or not _shapes.policy_allows(self.cfg.shapes, sig):
             return [sig]
-        cls = _shapes.shape_class(sig)
-        return [sig] if cls is None else [cls, sig]
+        return [*_shapes.classes(sig), sig]
 
     def load_entry(self, key: str, entry: Any) -> Executable:
         """A verified entry's executable (raises CompileRefused for a refusal entry)."""
