@@ -61,6 +61,9 @@ def compiled(device_run: subprocess.Popen[str], aoti_compiler: AotiCompiler) -> 
         # a shape class (`_shapes`): mm for every [s0,s1] x [s1,s2], compiled from a 6x8 @ 8x5 example
         "mm_class": CompiledGraph(aoti_compiler, _shapes.shape_class(
             signature_of("aten::mm", torch.randn(6, 8), torch.randn(8, 5))[1])),
+        # a flat class (the rank-collapse rule): add for every rank and dense layout, from a 4x6 example
+        "add_flat": CompiledGraph(aoti_compiler, _shapes.shape_class(
+            signature_of("aten::add.Tensor", torch.randn(4, 6), torch.randn(4, 6), 2.5)[1])),
     }
 
 
@@ -151,6 +154,18 @@ def test_a_shape_class_compiles_once_for_all_its_shapes(compiled: dict[str, Any]
         a, b = torch.randn(m, k), torch.randn(k, n)
         (got,) = c.exe([a, b], [])
         torch.testing.assert_close(got, a @ b)
+
+
+def test_a_flat_class_serves_every_rank_and_dense_layout(compiled: dict[str, Any]) -> None:
+    c = compiled["add_flat"]
+    assert read_meta(c.payload)["signature"]["flat"] == _shapes.FLAT_VERSION
+    for x in (torch.randn(24), torch.randn(4, 6), torch.randn(3, 5, 7), torch.randn(6, 4).t(),
+              torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)):
+        y = torch.randn_like(x)  # the same strides
+        (got,) = c.exe([x, y], [-1.5])
+        want = torch.add(x, y, alpha=-1.5)
+        torch.testing.assert_close(got, want)
+        assert got.shape == want.shape and got.stride() == want.stride()
 
 
 def test_a_class_export_cannot_keep_generic_is_refused_with_its_reason(aoti_compiler: AotiCompiler) -> None:
