@@ -105,8 +105,8 @@ class Resolver:
 
     def resolve_now(self, sig: dict[str, Any], digest: str | None = None) -> tuple[Executable, str]:
         """Memory, tiers, compile, blocking until the executable exists (or raising): the candidates in
-        order (a shape class, then the exact signature). An executable in memory or on local disk under
-        any candidate's key beats compiling an earlier one (e.g. the exact-shape entries of a runtime
+        order (shape classes, then the exact signature: `candidates`). An executable in memory or on
+        local disk under any candidate's key beats compiling an earlier one (e.g. the exact-shape entries of a runtime
         that keyed no classes); a class that has no generic executable (a refusal, cached like any) or,
         in strict mode, no entry, passes to the next candidate."""
         digest = digest or self.key(sig)

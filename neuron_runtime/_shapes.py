@@ -15,11 +15,13 @@ kernel depends on:
      format, contiguity, transposes and slices of a larger tensor are therefore part of the class;
   6. everything else (dtypes, ranks, structural arguments by value, run-time scalars by type) as in the
      exact signature.
+An elementwise op whose tensors all share one dense layout gets a *flat* class before that one (the
+rank-collapse rule, `flat_class`): its rank and layout do not matter to a kernel over memory positions.
 The class is itself a signature (`"shapes": CLASS_VERSION`) that carries the exact signature it was made
 from as its `"example"` (left out of the cache key): a compiler compiles the class from it. The resolver
-tries the class's executable first and the exact signature's second (`Resolver.candidates`); since a
-signature maps to exactly one class, an executable can only ever serve shapes of the class it was
-compiled and checked for.
+tries the classes' executables first (flat, ranked) and the exact signature's last (`Resolver.candidates`);
+since a signature maps to exactly one class of each kind, an executable can only ever serve shapes of the
+class it was compiled and checked for.
 """
 
 from __future__ import annotations
