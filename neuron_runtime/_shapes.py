@@ -239,16 +239,18 @@ def _dense(sizes: list[int], strides: list[int]) -> bool:
 
 def flat_layout(sig: dict[str, Any]) -> tuple[list[int], list[int]] | None:
     """(sizes, strides) every tensor of `sig` has, if the rank-collapse rule applies to it: an elementwise
-    op (`elementwise`), not a fused group; tensor arguments only as single tensors (no lists), all of the
-    same sizes and strides (no broadcasting), dense, at least 2 elements (0 and 1 stay static as in rule
-    1); a `memory_format` argument, if any, None or `preserve_format` (else the output's layout is not the
-    input's). Numbers in tensor slots (`x * 2`) are not tensors here."""
-    if "graph" in sig or not elementwise(str(sig.get("op", ""))):
+    op (`elementwise`), or a fused group of them (every node's tensors, the intermediates' included);
+    tensor arguments only as single tensors (no lists), all of the same sizes and strides (no
+    broadcasting), dense, at least 2 elements (0 and 1 stay static as in rule 1); a `memory_format`
+    argument, if any, None or `preserve_format` (else the output's layout is not the input's). Numbers in
+    tensor slots (`x * 2`) are not tensors here."""
+    ops = _ops_of(sig)
+    if not all(elementwise(str(op.get("op", ""))) for op in ops):
         return None
     from ._ops import OPT_TENSOR, TENSOR, TENSORS, OPT_TENSORS, VALUE
 
     layout: tuple[list[int], list[int]] | None = None
-    for name, kind, desc in sig["args"]:
+    for name, kind, desc in (a for op in ops for a in op["args"]):
         if kind in (TENSORS, OPT_TENSORS):
             return None
         if kind == VALUE and name == "memory_format" and desc not in (None, {"memory_format": "preserve_format"}):

@@ -170,7 +170,8 @@ class AotiCompiler(Compiler):
                 "n_tensors": n_tensors, "scalar_types": scalar_types, "wrapped": wrapped_slots(flat)}
         payload = _repackage(qualname, raw, meta, str(scratch.tmp))
         if cls is not None and _shapes.is_flat(cls):
-            others.append(cls["example"])  # the shape it was made from: the flat views and the views back
+            # the shape it was made from: the flat views and the views back
+            others.append(graph_inputs(cls["example"]) if "graph" in exact else cls["example"])
         for shape in [flat, *others]:
             self._self_check(qualname, payload, run, n_tensors, scalar_types, shape, into)
         log.info("aoti: compiled %s (export %.1fs, compile %.1fs, %d bytes)", qualname, t1 - t0, t2 - t1,

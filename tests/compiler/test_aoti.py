@@ -64,6 +64,8 @@ def compiled(device_run: subprocess.Popen[str], aoti_compiler: AotiCompiler) -> 
         # a flat class (the rank-collapse rule): add for every rank and dense layout, from a 4x6 example
         "add_flat": CompiledGraph(aoti_compiler, _shapes.shape_class(
             signature_of("aten::add.Tensor", torch.randn(4, 6), torch.randn(4, 6), 2.5)[1])),
+        # a fused group's flat class: relu(x * 2) + alpha * y for every rank and dense layout
+        "graph_flat": CompiledGraph(aoti_compiler, _shapes.shape_class(_graph_signature())),
     }
 
 
@@ -164,6 +166,17 @@ def test_a_flat_class_serves_every_rank_and_dense_layout(compiled: dict[str, Any
         y = torch.randn_like(x)  # the same strides
         (got,) = c.exe([x, y], [-1.5])
         want = torch.add(x, y, alpha=-1.5)
+        torch.testing.assert_close(got, want)
+        assert got.shape == want.shape and got.stride() == want.stride()
+
+
+def test_a_fused_group_s_flat_class_serves_every_rank_and_dense_layout(compiled: dict[str, Any]) -> None:
+    c = compiled["graph_flat"]
+    assert read_meta(c.payload)["signature"]["flat"] == _shapes.FLAT_VERSION
+    for x in (torch.randn(24), torch.randn(3, 5, 7), torch.randn(6, 4).t()):
+        y = torch.randn_like(x)
+        (got,) = c.exe([x, 2, y], [0.25])
+        want = torch.relu(x * 2) + 0.25 * y
         torch.testing.assert_close(got, want)
         assert got.shape == want.shape and got.stride() == want.stride()
 

@@ -215,6 +215,27 @@ def test_a_fused_group_has_one_class_over_its_nodes() -> None:
     assert _shapes.instance(cls, _shapes.symbols(cls)) == graph and mul["args"][0][2][0]["sizes"] == [5]
 
 
+def _chain(x: torch.Tensor, y: torch.Tensor) -> dict:  # type: ignore[type-arg]
+    """relu(x * 2) + 0.5 * y as fusion builds it (external inputs e0 = x, e1 = 2, e2 = y)."""
+    mul, relu = sig_of("aten::mul.Tensor", x, 2), sig_of("aten::relu", x)
+    add = sig_of("aten::add.Tensor", x, y, 0.5)
+    return {"op": "fused:mul+relu+add",
+            "graph": [{"sig": mul, "in": [["e", 0], ["e", 1]]}, {"sig": relu, "in": [["n", 0]]},
+                      {"sig": add, "in": [["n", 1], ["e", 2]]}], "outputs": [2]}
+
+
+def test_a_fused_group_of_elementwise_ops_has_one_flat_class() -> None:
+    x = torch.randn(4, 6)
+    a = _shapes.shape_class(_chain(x, x))
+    b = _shapes.shape_class(_chain(torch.randn(2, 3, 5), torch.randn(2, 3, 5)))
+    assert a is not None and b is not None and a["flat"] == _shapes.FLAT_VERSION
+    assert _shapes.describe(a) == "[s0] [s0] [s0] [s0]" and _signature.cache_key(a, {}) == _signature.cache_key(b, {})
+    assert _shapes.example(a)["graph"][2]["sig"]["args"][0][2]["sizes"] == [24]
+    # one node broadcasting: the group keeps its ranked class
+    c = _shapes.shape_class(_chain(x, torch.randn(6)))
+    assert c is not None and not _shapes.is_flat(c)
+
+
 def test_a_class_line_without_its_example_is_a_clear_error() -> None:
     from neuron_runtime import _record
 
