@@ -355,6 +355,25 @@ def test_fused_group_runs_natively_end_to_end(aoti_root: Path) -> None:
         assert out["native"]["fused_executions"] >= 2, out["native"]
 
 
+def test_a_fused_group_of_another_rank_runs_its_flat_kernel_natively(aoti_root: Path) -> None:
+    """The group of `test_fused_group_runs_natively_end_to_end` on 8x8 and 4x4x4 views of the same
+    memory: the same flat class (no compile), its in-place result written through the flat views."""
+    child = REPO / "tests" / "runtime" / "fusion_child.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync", TORCH_NEURONX_ENABLE_CONCATENATION="1",
+               TORCH_NEURONX_FUSION_MIN_SEEN="2", TORCH_NEURONX_FUSION_MIN_NUMEL="0",
+               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-fusion-ranks"))
+    r = subprocess.run([sys.executable, str(child), "compiled_group_ranks"], capture_output=True, text=True,
+                       env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ok"], out["steps_ok"]
+    assert out["compiles"][1:] == [0, 0], out["compiles"]
+    assert out["stats"]["fusion"]["fused_executions"] >= 9, out["stats"]["fusion"]
+    if out["native"] is not None:
+        assert out["native"]["fused_executions"] >= 6, out["native"]
+
+
 def test_native_runner_passes_scalars_after_tensors(aoti_root: Path) -> None:
     """`pow.Scalar(Scalar self, Tensor exponent)`: the schema puts a run-time Scalar before the tensor,
     the artifact takes tensors first. The native hit path must call it in the artifact's order (it once

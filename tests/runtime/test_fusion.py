@@ -137,3 +137,12 @@ def test_dead_intermediates_are_not_materialised(tmp_path: Path) -> None:
 def test_flag_off_is_exactly_the_per_op_path(tmp_path: Path) -> None:
     out = run("off", tmp_path, fusion=False)
     assert out["hooks_in_kernel"] is False and "fusion" not in out["stats"]
+
+
+def test_a_fused_group_of_another_rank_reuses_its_flat_class(tmp_path: Path) -> None:
+    """sigmoid, add, an in-place mul at rank 1, then on 8x8 and 4x4x4 views: one flat class for the group
+    and for each op (docs/dispatch.md, the rank-collapse rule), so the later ranks compile nothing."""
+    out = run("compiled_group_ranks", tmp_path)
+    assert out["ok"], out["steps_ok"]
+    assert out["compiles"][0] > 0 and out["compiles"][1:] == [0, 0], out["compiles"]
+    assert out["stats"]["fusion"]["fused_executions"] >= 9
