@@ -105,8 +105,8 @@ class Resolver:
 
     def resolve_now(self, sig: dict[str, Any], digest: str | None = None) -> tuple[Executable, str]:
         """Memory, tiers, compile, blocking until the executable exists (or raising): the candidates in
-        order (a shape class, then the exact signature). An executable in memory or on local disk under
-        any candidate's key beats compiling an earlier one (e.g. the exact-shape entries of a runtime
+        order (shape classes, then the exact signature: `candidates`). An executable in memory or on
+        local disk under any candidate's key beats compiling an earlier one (e.g. the exact-shape entries of a runtime
         that keyed no classes); a class that has no generic executable (a refusal, cached like any) or,
         in strict mode, no entry, passes to the next candidate."""
         digest = digest or self.key(sig)
@@ -213,11 +213,11 @@ class Resolver:
 
     def candidates(self, sig: dict[str, Any]) -> list[dict[str, Any]]:
         """The signatures whose executables can serve `sig`, most general first (the exact one last):
-        its shape class (`_shapes`, TORCH_NEURONX_SHAPES), then `sig`. Called on memory-tier misses only."""
+        its shape classes (`_shapes.classes`: the flat class of an elementwise op, the ranked class;
+        TORCH_NEURONX_SHAPES), then `sig`. Called on memory-tier misses only."""
         if _shapes.is_class(sig) or not _shapes.policy_allows(self.cfg.shapes, sig):
             return [sig]
-        cls = _shapes.shape_class(sig)
-        return [sig] if cls is None else [cls, sig]
+        return [*_shapes.classes(sig), sig]
 
     def load_entry(self, key: str, entry: Any) -> Executable:
         """A verified entry's executable (raises CompileRefused for a refusal entry)."""

@@ -15,11 +15,13 @@ kernel depends on:
      format, contiguity, transposes and slices of a larger tensor are therefore part of the class;
   6. everything else (dtypes, ranks, structural arguments by value, run-time scalars by type) as in the
      exact signature.
+An elementwise op whose tensors all share one dense layout gets a *flat* class before that one (the
+rank-collapse rule, `flat_class`): its rank and layout do not matter to a kernel over memory positions.
 The class is itself a signature (`"shapes": CLASS_VERSION`) that carries the exact signature it was made
 from as its `"example"` (left out of the cache key): a compiler compiles the class from it. The resolver
-tries the class's executable first and the exact signature's second (`Resolver.candidates`); since a
-signature maps to exactly one class, an executable can only ever serve shapes of the class it was
-compiled and checked for.
+tries the classes' executables first (flat, ranked) and the exact signature's last (`Resolver.candidates`);
+since a signature maps to exactly one class of each kind, an executable can only ever serve shapes of the
+class it was compiled and checked for.
 """
 
 from __future__ import annotations
@@ -149,7 +151,27 @@ def _copy(sig: dict[str, Any]) -> dict[str, Any]:
 
 
 def shape_class(sig: dict[str, Any]) -> dict[str, Any] | None:
-    """The class signature of `sig`, or None if no size of it can be symbolic (the class would be `sig`)."""
+    """The class signature of `sig`, or None if no size of it can be symbolic (the class would be `sig`):
+    its flat class where the rank-collapse rule applies (`flat_class`), else its ranked class."""
+    return flat_class(sig) or ranked_class(sig)
+
+
+def classes(sig: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every class signature that may serve `sig`, most general first: its flat class (if any), then its
+    ranked class (if any; a refused flat class falls back to it, and a runtime that had no flat classes
+    left its entries under it)."""
+    return [c for c in (flat_class(sig), ranked_class(sig)) if c is not None]
+
+
+def ranked_class(sig: dict[str, Any]) -> dict[str, Any] | None:
+    """The class of rules 1-6: ranks, layouts and size coincidences kept, the other sizes symbolic."""
+    cls = _symbolic(sig)
+    if cls is not None:
+        cls["example"] = sig
+    return cls
+
+
+def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
     fixed = _static_sizes(sig)
     for d in _tensors(sig):
         fixed |= _inside_gaps(list(d["sizes"]), list(d["strides"]))
@@ -168,14 +190,122 @@ def shape_class(sig: dict[str, Any]) -> dict[str, Any] | None:
     if not symbol:
         return None
     cls["shapes"] = CLASS_VERSION
+    return cls
+
+
+# -- the rank-collapse rule -------------------------------------------------------------------------
+# A pointwise op computes each output element from the input elements at the same index, so when all its
+# tensors have the same sizes and the same dense layout, the index may as well be the position in memory:
+# one 1-D kernel over `numel` elements serves every rank and every such layout. Its class is the 1-D
+# class of the signature with each tensor flattened (`flatten`), marked `"flat": FLAT_VERSION`; callers
+# pass flat views of the inputs (`t.as_strided([numel], [1])`, over the same memory) and view each output
+# back with the sizes and strides of the first input (what eager's TensorIterator gives such inputs).
+FLAT_VERSION = 1
+
+# Ops the rule serves besides the overloads torch tags `pointwise`, with the reason.
+FLAT_OPS: dict[str, str] = {
+    "aten::zero": "zero_'s functional variant: every element 0, whatever the shape",
+    "aten::fill.Scalar": "fill_'s functional variant: every element the same run-time value",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def elementwise(qualname: str) -> bool:
+    """Whether the op computes each output element from its inputs' elements at the same index only:
+    `FLAT_OPS`, or an overload torch tags `pointwise` (`torch.Tag.pointwise`, 536 overloads in torch
+    2.13)."""
+    if qualname in FLAT_OPS:
+        return True
+    from ._ops import _resolve
+
+    try:
+        op = _resolve(qualname)
+    except Exception:  # noqa: BLE001 - an op we cannot look up: not known to be elementwise
+        return False
+    import torch
+
+    return torch.Tag.pointwise in op.tags
+
+
+def _dense(sizes: list[int], strides: list[int]) -> bool:
+    """Non-overlapping and dense: the elements fill `numel` consecutive positions of memory."""
+    expected = 1
+    for i in sorted((i for i in range(len(sizes)) if sizes[i] != 1), key=lambda i: strides[i]):
+        if strides[i] != expected:
+            return False
+        expected *= sizes[i]
+    return True
+
+
+def flat_layout(sig: dict[str, Any]) -> tuple[list[int], list[int]] | None:
+    """(sizes, strides) every tensor of `sig` has, if the rank-collapse rule applies to it: an elementwise
+    op (`elementwise`), or a fused group of them (every node's tensors, the intermediates' included);
+    tensor arguments only as single tensors (no lists), all of the same sizes and strides (no
+    broadcasting), dense, at least 2 elements (0 and 1 stay static as in rule 1); a `memory_format`
+    argument, if any, None or `preserve_format` (else the output's layout is not the input's). Numbers in
+    tensor slots (`x * 2`) are not tensors here."""
+    ops = _ops_of(sig)
+    if not all(elementwise(str(op.get("op", ""))) for op in ops):
+        return None
+    from ._ops import OPT_TENSOR, TENSOR, TENSORS, OPT_TENSORS, VALUE
+
+    layout: tuple[list[int], list[int]] | None = None
+    for name, kind, desc in (a for op in ops for a in op["args"]):
+        if kind in (TENSORS, OPT_TENSORS):
+            return None
+        if kind == VALUE and name == "memory_format" and desc not in (None, {"memory_format": "preserve_format"}):
+            return None
+        if kind in (TENSOR, OPT_TENSOR) and _is_tensor(desc):
+            mine = (list(desc["sizes"]), list(desc["strides"]))
+            if layout is None:
+                layout = mine
+            elif mine != layout:
+                return None
+    if layout is None or not _dense(*layout):
+        return None
+    n = 1
+    for size in layout[0]:
+        n *= size
+    return layout if n >= 2 else None
+
+
+def flatten(sig: dict[str, Any]) -> dict[str, Any]:
+    """`sig` with every tensor a 1-D contiguous tensor of its number of elements (`flat_layout` applies)."""
+    out = _copy({k: v for k, v in sig.items() if k != "example"})
+    for d in _tensors(out):
+        n = 1
+        for size in d["sizes"]:
+            n *= size
+        d["sizes"], d["strides"] = [n], [1]
+    return out
+
+
+def flat_class(sig: dict[str, Any]) -> dict[str, Any] | None:
+    """The rank-collapsed class of `sig`, or None if the rule does not apply (`flat_layout`)."""
+    if is_flat(sig) or flat_layout(sig) is None:
+        return None
+    cls = _symbolic(flatten(sig))
+    if cls is None:
+        return None
+    cls["flat"] = FLAT_VERSION
     cls["example"] = sig
     return cls
+
+
+def is_flat(sig: dict[str, Any]) -> bool:
+    return "flat" in sig
+
+
+def example(cls: dict[str, Any]) -> dict[str, Any]:
+    """The exact signature a class compiles from: its example, flattened for a flat class."""
+    ex: dict[str, Any] = cls["example"]
+    return flatten(ex) if is_flat(cls) else ex
 
 
 def symbols(cls: dict[str, Any]) -> dict[str, int]:
     """Each symbol of a class and its value in the class's example."""
     env: dict[str, int] = {}
-    for c, e in zip(_tensors(cls), _tensors(cls["example"])):
+    for c, e in zip(_tensors(cls), _tensors(example(cls))):
         for s, n in zip(c["sizes"], e["sizes"]):
             if isinstance(s, str):
                 env[s] = n
@@ -183,8 +313,9 @@ def symbols(cls: dict[str, Any]) -> dict[str, int]:
 
 
 def instance(cls: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
-    """The exact signature of the class for symbol values `env` (a size-1 dim gets a contiguous stride)."""
-    sig = _copy({k: v for k, v in cls.items() if k not in ("shapes", "example")})
+    """The exact signature of the class for symbol values `env` (a size-1 dim gets a contiguous stride);
+    for a flat class, the flat (1-D) signature its kernel is called with."""
+    sig = _copy({k: v for k, v in cls.items() if k not in ("shapes", "example", "flat")})
     for d in _tensors(sig):
         sizes = [env[s] if isinstance(s, str) else s for s in d["sizes"]]
         strides = [_evaluate(e, env, 1) for e in d["strides"]]
@@ -217,5 +348,6 @@ def policy_allows(policy: str, sig: dict[str, Any]) -> bool:
 STATIC_OPS: dict[str, str] = {}
 
 
-__all__ = ["CLASS_VERSION", "describe", "instance", "is_class", "other_instance", "policy_allows",
-           "shape_class", "symbols"]
+__all__ = ["CLASS_VERSION", "FLAT_OPS", "FLAT_VERSION", "classes", "describe", "elementwise", "example",
+           "flat_class", "flat_layout", "flatten", "instance", "is_class", "is_flat", "other_instance",
+           "policy_allows", "ranked_class", "shape_class", "symbols"]

@@ -376,11 +376,15 @@ c10::Scalar wrapped_value(const at::Tensor& t) {
 // How an `aoti` executable runs without Python (its `__neuron_aoti__`): AOTInductor's container runner,
 // called with the tensors, then each run-time Scalar as a 0-d tensor of `scalar_dtypes`; numbers in
 // tensor slots (`wrapped`, by index in the tensor list) as 0-d tensors of their dtype. The runner is
-// owned by the executable (its Python loader), which the holder keeps alive.
+// owned by the executable (its Python loader), which the holder keeps alive. `flat`: the kernel of a
+// flat shape class (neuron_runtime/_shapes.py, the rank-collapse rule), a 1-D kernel called on 1-D views
+// of the inputs (which all have the same sizes and dense strides), its outputs viewed back with the first
+// input's sizes and strides; inputs already 1-D and contiguous are passed as they are.
 struct AotiCall {
   torch::inductor::AOTIModelContainerRunner* runner = nullptr;
   std::vector<c10::ScalarType> scalar_dtypes;
   std::vector<std::pair<size_t, c10::ScalarType>> wrapped;
+  bool flat = false;
 
   // Read from the executable; stays unset (runner null) for anything else, e.g. a runner type this
   // build does not know: the holder then calls the executable from Python.
@@ -395,6 +399,7 @@ struct AotiCall {
         auto pair = w.cast<py::tuple>();
         wrapped.emplace_back(pair[0].cast<size_t>(), reinterpret_cast<THPDtype*>(pair[1].ptr())->scalar_type);
       }
+      if (t.size() > 3) flat = t[3].cast<bool>();
     } catch (const std::exception&) {
       *this = AotiCall();
     }
@@ -413,6 +418,15 @@ struct AotiCall {
     for (const at::Tensor& t : in) {
       if (t.unsafeGetTensorImpl()->is_wrapped_number()) return false;  // a slot the artifact does not know
     }
+    at::Tensor first;  // flat: the input the outputs take their sizes and strides from
+    if (flat) {
+      for (at::Tensor& t : in) {
+        if (t.dim() == 0) continue;  // a number in a tensor slot
+        if (t.dim() == 1 && t.stride(0) == 1) break;  // 1-D already, and so is every input
+        if (!first.defined()) first = t;
+        t = t.as_strided({first.numel()}, {1});
+      }
+    }
     if (held != nullptr && held->size() != scalars.size()) {
       held->clear();
       for (c10::ScalarType dtype : scalar_dtypes) held->push_back(at::detail::empty_cpu({}, dtype));
@@ -423,6 +437,11 @@ struct AotiCall {
       else in.push_back(scalar_0d(v, scalar_dtypes[k]));
     }
     outs = runner->run(in);
+    if (first.defined()) {
+      for (at::Tensor& o : outs) {
+        if (o.defined()) o = o.as_strided(first.sizes(), first.strides());
+      }
+    }
     return true;
   }
 };

@@ -277,13 +277,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
             k = _signature.cache_key(sig, fp)
             hit = [t for t, ek, _ in entries if ek == k]
             res: dict[str, Any] = {"key": k, "op": sig.get("op"), "hit": bool(hit), "tier": hit[0] if hit else None}
-            cls = None if hit or cfg.shapes == "static" else _shapes.shape_class(sig)
-            if cls is not None:
+            for cls in [] if hit or cfg.shapes == "static" else _shapes.classes(sig):
                 # A new shape of a class with an executable: the runtime links it, nothing compiles.
+                # (The classes in the runtime's order: an elementwise op's flat class, its ranked class.)
                 ck = _signature.cache_key(cls, fp)
                 served = [t for t, ek, h in entries if ek == ck and not h.get("refused")]
                 if served:
                     res.update(hit=True, tier=served[0], class_key=ck, shapes=_shapes.describe(cls))
+                    break
             if not res["hit"]:
                 ranked = sorted(((compare(sig, fp, h), t, ek, h) for t, ek, h in entries),
                                 key=lambda r: (r[0][0], r[1], r[2]))

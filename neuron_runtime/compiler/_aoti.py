@@ -134,8 +134,10 @@ class AotiCompiler(Compiler):
             raise CompileRefused(f"{qualname}: {e}") from e
         # A shape class (`_shapes`) compiles from its example, the exact signature it was made from, with
         # its symbolic sizes as dynamic dims; the self-check then runs a second shape of the class too.
+        # A flat class (the rank-collapse rule) compiles a 1-D kernel from its flattened example, and its
+        # executable views the inputs flat and the outputs back (`_flat_executable`).
         cls = signature if _shapes.is_class(signature) else None
-        exact = signature["example"] if cls is not None else signature
+        exact = _shapes.example(cls) if cls is not None else signature
         into = [int(i) for _, i in exact.get("into", [])]  # inputs a fused group writes in place
         if "graph" in exact:  # a fused group (neuron_runtime.fusion)
             run = build_graph(exact, wrapped_as_tensors=True,
@@ -172,6 +174,9 @@ class AotiCompiler(Compiler):
         meta = {"format": ARTIFACT_FORMAT, "fingerprint": fp, "signature": signature,
                 "n_tensors": n_tensors, "scalar_types": scalar_types, "wrapped": wrapped_slots(flat)}
         payload = _repackage(qualname, raw, meta, str(scratch.tmp))
+        if cls is not None and _shapes.is_flat(cls):
+            # the shape it was made from: the flat views and the views back
+            others.append(graph_inputs(cls["example"]) if "graph" in exact else cls["example"])
         for shape in [flat, *others]:
             self._self_check(qualname, payload, run, n_tensors, scalar_types, shape, into)
         log.info("aoti: compiled %s (export %.1fs, compile %.1fs, %d bytes)", qualname, t1 - t0, t2 - t1,
@@ -257,10 +262,14 @@ class AotiCompiler(Compiler):
         loader = _load_package(members, self.scratch())
         wrapped = [(int(i), str(d)) for i, d in meta.get("wrapped", [])]
         exe = _make_executable(loader, meta["signature"]["op"], meta["scalar_types"], wrapped)
+        flat = _shapes.is_flat(meta["signature"])
+        if flat:
+            exe = _flat_executable(exe)
         # How the native hit path calls the runner itself: tensors, then each run-time Scalar as a 0-d
-        # tensor of these dtypes; numbers in tensor slots (by index) as 0-d tensors of theirs.
+        # tensor of these dtypes; numbers in tensor slots (by index) as 0-d tensors of theirs; and whether
+        # the kernel is a flat class's (inputs viewed 1-D, outputs viewed back).
         exe.__neuron_aoti__ = (loader, [_SCALAR_DTYPES[t] for t in meta["scalar_types"]],  # type: ignore[attr-defined]
-                               [(i, _WRAPPED_DTYPES[d]) for i, d in wrapped])
+                               [(i, _WRAPPED_DTYPES[d]) for i, d in wrapped], flat)
         return exe
 
 
@@ -692,6 +701,21 @@ def _make_executable(loader: Any, qualname: str, scalar_types: Sequence[str],
         return run([*tensors, *[scalar_tensor(i, v) for i, v in enumerate(scalars)]])  # type: ignore[no-any-return]
     exen.loader = loader  # type: ignore[attr-defined]
     return exen
+
+
+def _flat_executable(inner: Executable) -> Executable:
+    """A flat class's executable (`_shapes.flat_class`): its 1-D kernel on 1-D views of the inputs' memory
+    (all inputs have the same sizes and dense strides, so position k of each is the same element), each
+    output viewed back with the first input's sizes and strides. Inputs already 1-D pass as they are."""
+    def exe_flat(tensors: Sequence[Any], scalars: Sequence[Any]) -> Sequence[torch.Tensor]:
+        first = next((t for t in tensors if isinstance(t, torch.Tensor) and t.dim() != 0), None)
+        if first is None or (first.dim() == 1 and first.stride(0) == 1):
+            return inner(tensors, scalars)
+        sizes, strides, n = first.shape, first.stride(), first.numel()
+        flat = [t.as_strided((n,), (1,)) if isinstance(t, torch.Tensor) and t.dim() != 0 else t for t in tensors]
+        return [o.as_strided(sizes, strides) if o is not None else o for o in inner(flat, scalars)]
+    exe_flat.loader = getattr(inner, "loader", None)  # type: ignore[attr-defined]
+    return exe_flat
 
 
 # -- scratch redirection ----------------------------------------------------------------------------

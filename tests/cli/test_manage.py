@@ -425,12 +425,16 @@ def test_ls_and_explain_know_shape_classes(tmp_path: Path, capsys: pytest.Captur
     rc, rows, _ = run(capsys, "ls", "--local-dir", str(local), "--json")
     by_op = {r["op"]: r for r in rows}
     assert rc == 0 and by_op["aten::add.Tensor"]["shape_class"] and not by_op["aten::sum.dim_IntList"]["shape_class"]
-    assert by_op["aten::add.Tensor"]["shapes"] == "[s0,s1] [s0,s1]" and by_op["aten::sum.dim_IntList"]["shapes"] == "[4,3]"
+    # add is elementwise: its class is flat, one 1-D kernel for every rank (docs/dispatch.md)
+    assert by_op["aten::add.Tensor"]["shapes"] == "[s0] [s0]" and by_op["aten::sum.dim_IntList"]["shapes"] == "[4,3]"
 
     rc, out, _ = run(capsys, "explain", json.dumps(sig_n(40)), *base)  # 41x16: a shape never compiled
     assert rc == 0 and out["hit"] and out["class_key"] == _signature.cache_key(cls, FP)
     rc, text, _ = run(capsys, "explain", json.dumps(sig_n(40)), *base[:-1])
     assert "new shape, same class: no compile" in text
-    one = sig_n(0)  # 1x16: a size-1 dim is another class; nothing serves it
+    rc, out, _ = run(capsys, "explain", json.dumps(sig_n(0)), *base)  # 1x16: flat, 16 elements: served
+    assert rc == 0 and out["hit"] and out["class_key"] == _signature.cache_key(cls, FP)
+    one = sig_n(0)  # 1x16 + 8x16: broadcasting is another class; nothing serves it
+    one["args"][1][2]["sizes"] = [8, 16]
     rc, out, _ = run(capsys, "explain", json.dumps(one), *base)
     assert rc == 1 and not out["hit"] and out["closest"][0]["differs_in"] == ["shape", "signature field", "strides"]

@@ -57,6 +57,15 @@ def device_run(aoti_root: Path) -> Iterator[subprocess.Popen[str]]:
         with torch.inference_mode():  # nor trace under the caller's inference mode
             y = (x + x).cpu()
         torch.testing.assert_close(y, x.cpu() * 2)
+        # The rank-collapse rule: `+` of every rank and dense layout runs add's one flat (1-D) kernel,
+        # on 1-D views of the inputs and the output viewed back; natively from the second call on.
+        compiled = neuron_runtime.stats()["compiles"]
+        for t in (x.view(8, 8), x.view(4, 4, 4), x.view(8, 8).t()):
+            for _ in range(3):
+                z = t + t
+                assert z.shape == t.shape and z.stride() == t.stride(), (z.shape, z.stride())
+                torch.testing.assert_close(z.cpu(), t.cpu() * 2)
+        assert neuron_runtime.stats()["compiles"] == compiled
         print(json.dumps(neuron_runtime.stats()))
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}

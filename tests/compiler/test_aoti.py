@@ -61,6 +61,11 @@ def compiled(device_run: subprocess.Popen[str], aoti_compiler: AotiCompiler) -> 
         # a shape class (`_shapes`): mm for every [s0,s1] x [s1,s2], compiled from a 6x8 @ 8x5 example
         "mm_class": CompiledGraph(aoti_compiler, _shapes.shape_class(
             signature_of("aten::mm", torch.randn(6, 8), torch.randn(8, 5))[1])),
+        # a flat class (the rank-collapse rule): add for every rank and dense layout, from a 4x6 example
+        "add_flat": CompiledGraph(aoti_compiler, _shapes.shape_class(
+            signature_of("aten::add.Tensor", torch.randn(4, 6), torch.randn(4, 6), 2.5)[1])),
+        # a fused group's flat class: relu(x * 2) + alpha * y for every rank and dense layout
+        "graph_flat": CompiledGraph(aoti_compiler, _shapes.shape_class(_graph_signature())),
     }
 
 
@@ -151,6 +156,29 @@ def test_a_shape_class_compiles_once_for_all_its_shapes(compiled: dict[str, Any]
         a, b = torch.randn(m, k), torch.randn(k, n)
         (got,) = c.exe([a, b], [])
         torch.testing.assert_close(got, a @ b)
+
+
+def test_a_flat_class_serves_every_rank_and_dense_layout(compiled: dict[str, Any]) -> None:
+    c = compiled["add_flat"]
+    assert read_meta(c.payload)["signature"]["flat"] == _shapes.FLAT_VERSION
+    for x in (torch.randn(24), torch.randn(4, 6), torch.randn(3, 5, 7), torch.randn(6, 4).t(),
+              torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)):
+        y = torch.randn_like(x)  # the same strides
+        (got,) = c.exe([x, y], [-1.5])
+        want = torch.add(x, y, alpha=-1.5)
+        torch.testing.assert_close(got, want)
+        assert got.shape == want.shape and got.stride() == want.stride()
+
+
+def test_a_fused_group_s_flat_class_serves_every_rank_and_dense_layout(compiled: dict[str, Any]) -> None:
+    c = compiled["graph_flat"]
+    assert read_meta(c.payload)["signature"]["flat"] == _shapes.FLAT_VERSION
+    for x in (torch.randn(24), torch.randn(3, 5, 7), torch.randn(6, 4).t()):
+        y = torch.randn_like(x)
+        (got,) = c.exe([x, 2, y], [0.25])
+        want = torch.relu(x * 2) + 0.25 * y
+        torch.testing.assert_close(got, want)
+        assert got.shape == want.shape and got.stride() == want.stride()
 
 
 def test_a_class_export_cannot_keep_generic_is_refused_with_its_reason(aoti_compiler: AotiCompiler) -> None:
@@ -325,6 +353,25 @@ def test_fused_group_runs_natively_end_to_end(aoti_root: Path) -> None:
     assert f["groups_fused"] == 1 and f["fused_executions"] >= 3, f
     if out["native"] is not None:
         assert out["native"]["fused_executions"] >= 2, out["native"]
+
+
+def test_a_fused_group_of_another_rank_runs_its_flat_kernel_natively(aoti_root: Path) -> None:
+    """The group of `test_fused_group_runs_natively_end_to_end` on 8x8 and 4x4x4 views of the same
+    memory: the same flat class (no compile), its in-place result written through the flat views."""
+    child = REPO / "tests" / "runtime" / "fusion_child.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync", TORCH_NEURONX_ENABLE_CONCATENATION="1",
+               TORCH_NEURONX_FUSION_MIN_SEEN="2", TORCH_NEURONX_FUSION_MIN_NUMEL="0",
+               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-fusion-ranks"))
+    r = subprocess.run([sys.executable, str(child), "compiled_group_ranks"], capture_output=True, text=True,
+                       env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ok"], out["steps_ok"]
+    assert out["compiles"][1:] == [0, 0], out["compiles"]
+    assert out["stats"]["fusion"]["fused_executions"] >= 9, out["stats"]["fusion"]
+    if out["native"] is not None:
+        assert out["native"]["fused_executions"] >= 6, out["native"]
 
 
 def test_native_runner_passes_scalars_after_tensors(aoti_root: Path) -> None:

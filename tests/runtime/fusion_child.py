@@ -167,6 +167,21 @@ def main() -> int:
             w0.mul_(torch.add(torch.sigmoid(a0), b0, alpha=alpha))
             oks.append(torch.allclose(w.cpu(), w0))  # reading w runs the queue
         out = {"ok": all(oks), "steps_ok": oks}
+    elif scenario == "compiled_group_ranks":  # compiled_group at rank 1, then on 8x8 and 4x4x4 views
+        a0, b0, w0 = torch.rand(64), torch.rand(64), torch.rand(64) + 0.5
+        a, b, w = a0.to(D), b0.to(D), w0.to(D)
+        oks = []
+        compiles = []
+        for shape in ([64], [8, 8], [4, 4, 4]):
+            before = neuron_runtime.stats()["compiles"]
+            av, bv, wv, wv0 = a.view(shape), b.view(shape), w.view(shape), w0.view(shape)
+            for i in range(6):
+                alpha = 0.25 * (i + 1)
+                wv.mul_(torch.add(torch.sigmoid(av), bv, alpha=alpha))
+                wv0.mul_(torch.add(torch.sigmoid(a0.view(shape)), b0.view(shape), alpha=alpha))
+                oks.append(torch.allclose(wv.cpu(), wv0))  # reading w runs the queue
+            compiles.append(neuron_runtime.stats()["compiles"] - before)
+        out = {"ok": all(oks), "steps_ok": oks, "compiles": compiles}
     elif scenario == "views_elsewhere":  # views of memory no queued op writes do not flush
         x, w = torch.randn(64, device=D), torch.randn(8, 8, device=D)
         for _ in range(4):

@@ -122,8 +122,9 @@ def test_buffer_limit_flushes(tmp_path: Path) -> None:
 def test_group_that_cannot_compile_runs_op_by_op_and_is_remembered(tmp_path: Path) -> None:
     out = run("refuse_graphs", tmp_path)
     assert out["ok"]
-    # remembered as not fusible after one refused resolve: its shape class's compile, then its exact shape's
-    assert out["attempts"] == 2
+    # remembered as not fusible after one refused resolve: its flat class's compile (a chain of elementwise
+    # ops), its ranked class's, then its exact shape's
+    assert out["attempts"] == 3
     assert out["stats"]["fusion"]["fused_executions"] == 0
 
 
@@ -136,3 +137,12 @@ def test_dead_intermediates_are_not_materialised(tmp_path: Path) -> None:
 def test_flag_off_is_exactly_the_per_op_path(tmp_path: Path) -> None:
     out = run("off", tmp_path, fusion=False)
     assert out["hooks_in_kernel"] is False and "fusion" not in out["stats"]
+
+
+def test_a_fused_group_of_another_rank_reuses_its_flat_class(tmp_path: Path) -> None:
+    """sigmoid, add, an in-place mul at rank 1, then on 8x8 and 4x4x4 views: one flat class for the group
+    and for each op (docs/dispatch.md, the rank-collapse rule), so the later ranks compile nothing."""
+    out = run("compiled_group_ranks", tmp_path)
+    assert out["ok"], out["steps_ok"]
+    assert out["compiles"][0] > 0 and out["compiles"][1:] == [0, 0], out["compiles"]
+    assert out["stats"]["fusion"]["fused_executions"] >= 9

@@ -25,6 +25,13 @@ def cls_of(op: str, *values: object) -> dict:  # type: ignore[type-arg]
     return cls
 
 
+def ranked_of(op: str, *values: object) -> dict:  # type: ignore[type-arg]
+    """The class of rules 1-6 (elementwise ops get a flat class first: see the rank-collapse tests)."""
+    cls = _shapes.ranked_class(sig_of(op, *values))
+    assert cls is not None
+    return cls
+
+
 def tensors(cls: dict) -> list[tuple[list, list]]:  # type: ignore[type-arg]
     return [(d["sizes"], d["strides"]) for d in _shapes._tensors(cls)]
 
@@ -49,12 +56,12 @@ def test_zero_and_one_sizes_stay_static() -> None:
 
 def test_layout_is_part_of_the_class() -> None:
     x = torch.randn(6, 8)
-    contiguous = cls_of("aten::neg", x)
-    transposed = cls_of("aten::neg", x.t())
-    sliced = cls_of("aten::neg", x[:, :3])
+    contiguous = ranked_of("aten::neg", x)
+    transposed = ranked_of("aten::neg", x.t())
+    sliced = ranked_of("aten::neg", x[:, :3])
     assert tensors(transposed) == [(["s0", "s1"], [1, "s0"])]
     assert tensors(sliced) == [(["s0", 3], [8, 1])]  # a slice's row: its parent's width bounds it
-    cl = cls_of("aten::neg", torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    cl = ranked_of("aten::neg", torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))
     assert tensors(cl) == [(["s0", "s1", "s2", "s3"], ["s1*s2*s3", 1, "s1*s3", "s1"])]
     keys = {_signature.cache_key(c, {}) for c in (contiguous, transposed, sliced, cl)}
     assert len(keys) == 4
@@ -71,10 +78,10 @@ def test_instances_round_trip() -> None:
     for s in (sig_of("aten::mm", torch.randn(6, 8), torch.randn(8, 5)),
               sig_of("aten::neg", torch.randn(6, 8)[:, 1:4]),
               sig_of("aten::neg", torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))):
-        cls = _shapes.shape_class(s)
+        cls = _shapes.ranked_class(s)
         assert cls is not None and _shapes.instance(cls, _shapes.symbols(cls)) == s
         other = _shapes.other_instance(cls)
-        assert other != s and _shapes.shape_class(other) == {**cls, "example": other}
+        assert other != s and _shapes.ranked_class(other) == {**cls, "example": other}
 
 
 def test_bad_policy_is_a_clear_error() -> None:
@@ -110,11 +117,15 @@ def test_new_batch_sizes_compile_nothing(rt: _dispatch.Runtime) -> None:
 
 
 def test_a_shape_outside_the_class_compiles_and_never_runs_the_wrong_kernel(rt: _dispatch.Runtime) -> None:
+    # cumsum is not elementwise: its classes are ranked ones (rules 1-6)
+    def op(t: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(t, 1) * 1  # `* 1`: an elementwise op of the same layout, flat-classed
+
     a = torch.randn(4, 6)
-    assert_same(a * a, a.to(DEV) * a.to(DEV))
+    assert_same(op(a), op(a.to(DEV)))
     n = _compiles()
     b = torch.randn(5, 7)
-    assert_same(b * b, b.to(DEV) * b.to(DEV))  # same class
+    assert_same(op(b), op(b.to(DEV)))  # same class
     assert _compiles() == n
     cases = [torch.randn(1, 7),                      # a size-1 dim: broadcasting, another kernel
              torch.randn(0, 7),                      # empty
@@ -124,20 +135,22 @@ def test_a_shape_outside_the_class_compiles_and_never_runs_the_wrong_kernel(rt: 
     for c, view in [*((c, lambda t: t) for c in cases), *((torch.randn(7, 8), v) for v in views)]:
         before = _compiles()
         d = view(c.to(DEV))
-        assert_same(view(c) * view(c), d * d)
+        got = torch.cumsum(d, 1)
+        assert_same(torch.cumsum(view(c), 1), got)
+        assert got.stride() == torch.cumsum(view(c), 1).stride()
         assert _compiles() == before + 1, c.shape
     x = torch.randn(2, 3, 4, 5)
     cl = x.to(memory_format=torch.channels_last)
+    assert_same(torch.cumsum(x, 1), torch.cumsum(x.to(DEV), 1))
     before = _compiles()
-    got = cl.to(DEV) * cl.to(DEV)
-    assert_same(cl * cl, got)
-    assert got.is_contiguous(memory_format=torch.channels_last) and _compiles() == before + 1
-    assert_same(x.exp(), x.to(DEV).exp())
+    got = torch.cumsum(cl.to(DEV), 1)
+    assert_same(torch.cumsum(cl, 1), got)
+    assert got.stride() == torch.cumsum(cl, 1).stride() and _compiles() == before + 1
     before = _compiles()
     y = torch.randn(3, 4, 5, 6).to(memory_format=torch.channels_last)
-    assert_same(y.exp(), y.to(DEV).exp())  # channels-last: its own class, compiled once
+    assert_same(torch.cumsum(y, 2), torch.cumsum(y.to(DEV), 2))  # channels-last: its own class, once
     y2 = torch.randn(2, 5, 6, 7).to(memory_format=torch.channels_last)
-    assert_same(y2.exp(), y2.to(DEV).exp())
+    assert_same(torch.cumsum(y2, 2), torch.cumsum(y2.to(DEV), 2))
     assert _compiles() == before + 1
 
 
@@ -202,6 +215,27 @@ def test_a_fused_group_has_one_class_over_its_nodes() -> None:
     assert _shapes.instance(cls, _shapes.symbols(cls)) == graph and mul["args"][0][2][0]["sizes"] == [5]
 
 
+def _chain(x: torch.Tensor, y: torch.Tensor) -> dict:  # type: ignore[type-arg]
+    """relu(x * 2) + 0.5 * y as fusion builds it (external inputs e0 = x, e1 = 2, e2 = y)."""
+    mul, relu = sig_of("aten::mul.Tensor", x, 2), sig_of("aten::relu", x)
+    add = sig_of("aten::add.Tensor", x, y, 0.5)
+    return {"op": "fused:mul+relu+add",
+            "graph": [{"sig": mul, "in": [["e", 0], ["e", 1]]}, {"sig": relu, "in": [["n", 0]]},
+                      {"sig": add, "in": [["n", 1], ["e", 2]]}], "outputs": [2]}
+
+
+def test_a_fused_group_of_elementwise_ops_has_one_flat_class() -> None:
+    x = torch.randn(4, 6)
+    a = _shapes.shape_class(_chain(x, x))
+    b = _shapes.shape_class(_chain(torch.randn(2, 3, 5), torch.randn(2, 3, 5)))
+    assert a is not None and b is not None and a["flat"] == _shapes.FLAT_VERSION
+    assert _shapes.describe(a) == "[s0] [s0] [s0] [s0]" and _signature.cache_key(a, {}) == _signature.cache_key(b, {})
+    assert _shapes.example(a)["graph"][2]["sig"]["args"][0][2]["sizes"] == [24]
+    # one node broadcasting: the group keeps its ranked class
+    c = _shapes.shape_class(_chain(x, torch.randn(6)))
+    assert c is not None and not _shapes.is_flat(c)
+
+
 def test_a_class_line_without_its_example_is_a_clear_error() -> None:
     from neuron_runtime import _record
 
@@ -211,3 +245,137 @@ def test_a_class_line_without_its_example_is_a_clear_error() -> None:
         _record.check_signature({k: v for k, v in cls.items() if k != "example"})
     with pytest.raises(ValueError, match="its example: signature has no 'args'"):
         _record.check_signature({**cls, "example": {"op": "aten::neg", "schema": ""}})
+
+
+# -- the rank-collapse rule: one 1-D kernel for an elementwise op's every rank and dense layout --------
+def test_elementwise_ops_of_every_rank_and_dense_layout_share_one_flat_class() -> None:
+    x = torch.randn(6, 8)
+    keys = set()
+    for t in (torch.randn(48), x, torch.randn(2, 3, 8), x.t(),
+              torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)):
+        cls = cls_of("aten::zero", t)
+        assert cls["flat"] == _shapes.FLAT_VERSION and tensors(cls) == [(["s0"], [1])]
+        keys.add(_signature.cache_key(cls, {}))
+    assert len(keys) == 1
+    add = cls_of("aten::add.Tensor", x, x, 1)
+    assert tensors(add) == [(["s0"], [1]), (["s0"], [1])] and add["example"] == sig_of("aten::add.Tensor", x, x, 1)
+    assert _shapes.example(add) == _shapes.flatten(add["example"])  # what a compiler compiles: 1-D
+    assert _shapes.symbols(add) == {"s0": 48}
+    assert tensors(_shapes.other_instance(add)) == [([49], [1]), ([49], [1])]
+    # a number in a tensor slot is no tensor: `x * 2` is flat too
+    assert tensors(cls_of("aten::mul.Tensor", x, 2)) == [(["s0"], [1])]
+    # the flat class comes first, the ranked one second (its entries, a refused flat class's fallback)
+    ranked = _shapes.ranked_class(sig_of("aten::add.Tensor", x, x, 1))
+    assert _shapes.classes(sig_of("aten::add.Tensor", x, x, 1)) == [add, ranked]
+
+
+def test_what_the_rank_collapse_rule_does_not_serve() -> None:
+    x = torch.randn(6, 8)
+    not_flat = {
+        "broadcasting": sig_of("aten::add.Tensor", x, torch.randn(8), 1),
+        "a 0-d tensor operand": sig_of("aten::add.Tensor", x, torch.tensor(2.0), 1),
+        "operands of different layouts": sig_of("aten::add.Tensor", x, x.t().contiguous().t(), 1),
+        "not dense: a slice": sig_of("aten::zero", x[:, :3]),
+        "not dense: expanded": sig_of("aten::neg", torch.randn(8).expand(6, 8)),
+        "one element": sig_of("aten::zero", torch.randn(1, 1)),
+        "empty": sig_of("aten::zero", torch.randn(0, 8)),
+        "not elementwise": sig_of("aten::cumsum", x, 1, None),
+        "an output layout of its own": sig_of("aten::clone", x, torch.channels_last),
+    }
+    for why, s in not_flat.items():
+        assert _shapes.flat_class(s) is None, why
+        cls = _shapes.shape_class(s)
+        assert cls is None or "flat" not in cls, why
+    assert _shapes.flat_class(sig_of("aten::clone", x, None)) is not None  # preserves the layout
+    assert _shapes.elementwise("aten::fill.Scalar") and not _shapes.elementwise("aten::mm")
+
+
+def test_a_flat_executable_runs_its_kernel_on_flat_views_and_views_results_back() -> None:
+    from neuron_runtime.compiler._aoti import _flat_executable
+
+    ranks = []
+
+    def kernel(ts: list[torch.Tensor], ss: list[float]) -> list[torch.Tensor]:  # a 1-D kernel
+        ranks.append([t.dim() for t in ts])
+        assert all(t.dim() == 1 and t.stride() == (1,) for t in ts)
+        return [ts[0] * ts[1] + ss[0]]
+
+    exe = _flat_executable(kernel)
+    for x in (torch.randn(4, 6), torch.randn(4, 6).t(), torch.randn(7),
+              torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)):
+        y = torch.randn_like(x)  # the same strides as x
+        (got,) = exe([x, y], [0.5])
+        want = x * y + 0.5
+        torch.testing.assert_close(got, want)
+        assert got.shape == want.shape and got.stride() == want.stride()
+    assert ranks == [[1, 1]] * 4
+
+
+def _native_executions() -> int:
+    from neuron_runtime import _hostmem
+
+    return 0 if _hostmem.NATIVE is None else int(_hostmem.NATIVE.executions())
+
+
+def test_zero_of_every_rank_compiles_once_and_what_differs_statically_compiles(rt: _dispatch.Runtime) -> None:
+    params = [torch.randn(16).to(DEV), torch.randn(16, 8).to(DEV), torch.randn(2, 3, 4).to(DEV)]
+    before = _compiles()
+    for _ in range(2):  # the second round: the hit path (native where it is built)
+        for p in params:
+            p.fill_(1.0)
+            p.zero_()
+    assert all(bool((p.cpu() == 0).all()) for p in params)
+    assert _compiles() == before + 2  # one `zero`, one `fill.Scalar`, for all three ranks
+    a = torch.randn(4, 6)
+    dense = [lambda: (a, a.to(DEV)),
+             lambda: (a.t(), a.to(DEV).t()),  # transposed: the same memory order in every operand
+             lambda: (torch.randn(5, 7, 2),) * 2,
+             lambda: (torch.randn(30),) * 2]
+    cl = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    dense.append(lambda: (cl, cl.to(DEV)))
+    before, native = _compiles(), _native_executions()
+    for make in dense:
+        c, d = make()
+        d = d.to(DEV)
+        for _ in range(2):
+            got = d * d + d
+            assert_same(c * c + c, got)
+            assert got.stride() == (c * c + c).stride()
+    assert _compiles() == before + 2  # one `mul`, one `add`, for every rank and dense layout
+    if _hostmem_native():
+        assert _native_executions() > native
+    # A shape that differs in a static property keys apart and compiles, never runs the 1-D kernel.
+    b = torch.randn(6, 8)
+    other = [lambda t: t * t[0],                  # broadcasting
+             lambda t: t[:, 1:4] * t[:, 1:4],    # not dense
+             lambda t: t[:0] * t[:0],            # empty
+             lambda t: t.double() * t.double()]  # another dtype (plus the conversion's own)
+    for f in other:
+        before = _compiles()
+        assert_same(f(b), f(b.to(DEV)))
+        assert _compiles() > before
+
+
+def _hostmem_native() -> bool:
+    from neuron_runtime import _hostmem
+
+    return _hostmem.NATIVE is not None
+
+
+def test_ranked_class_entries_of_a_runtime_without_flat_classes_still_load(rt: _dispatch.Runtime,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    flat_class = _shapes.flat_class
+    monkeypatch.setattr(_shapes, "flat_class", lambda sig: None)  # a runtime before the rule
+    _dispatch.reset_runtime()
+    x = torch.randn(3, 4)
+    assert_same(x.exp(), x.to(DEV).exp())
+    assert _compiles() == 1
+    monkeypatch.setattr(_shapes, "flat_class", flat_class)
+    _dispatch.reset_runtime()
+    y = torch.randn(5, 6)
+    assert_same(y.exp(), y.to(DEV).exp())  # a new shape of the ranked class: its entry on disk serves it
+    s = neuron_runtime.stats()
+    assert _compiles() == 0 and s["hits"]["local"] == 1
+    z = torch.randn(2, 3, 5)
+    assert_same(z.exp(), z.to(DEV).exp())  # another rank: the flat class compiles, once
+    assert _compiles() == 1
