@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from typing import Any
 
@@ -263,20 +264,14 @@ def flat_layout(sig: dict[str, Any]) -> tuple[list[int], list[int]] | None:
                 return None
     if layout is None or not _dense(*layout):
         return None
-    n = 1
-    for size in layout[0]:
-        n *= size
-    return layout if n >= 2 else None
+    return layout if math.prod(layout[0]) >= 2 else None
 
 
 def flatten(sig: dict[str, Any]) -> dict[str, Any]:
     """`sig` with every tensor a 1-D contiguous tensor of its number of elements (`flat_layout` applies)."""
     out = _copy({k: v for k, v in sig.items() if k != "example"})
     for d in _tensors(out):
-        n = 1
-        for size in d["sizes"]:
-            n *= size
-        d["sizes"], d["strides"] = [n], [1]
+        d["sizes"], d["strides"] = [math.prod(d["sizes"])], [1]
     return out
 
 

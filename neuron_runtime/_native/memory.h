@@ -45,8 +45,9 @@ struct SpinLock {
 
 struct Accounting {
   SpinLock mu;
-  // root CPU StorageImpl -> (neuron storages over it, bytes counted for it). Open addressing: an
-  // insert allocates nothing (this runs for every op output).
+  // root CPU StorageImpl -> (neuron storages over it, bytes counted for it), for buffers that may be
+  // shared (`to_neuron`; a fresh output counts itself, `to_neuron_fresh`). Open addressing: an insert
+  // allocates nothing.
   ska::flat_hash_map<const c10::StorageImpl*, std::pair<int64_t, int64_t>> roots;
   c10::CachingAllocator::Stat bytes;   // current / peak / allocated / freed, in bytes
   c10::CachingAllocator::Stat buffers; // the same, in buffers

@@ -336,18 +336,23 @@ def test_device_end_to_end(device_run: subprocess.Popen[str]) -> None:
     assert stats["compiles"] >= 1 and not stats["fallback_ops"], stats
 
 
-def test_fused_group_runs_natively_end_to_end(aoti_root: Path) -> None:
-    """Fusion on `aoti`: a group with a run-time Scalar and an in-place op compiles into one executable,
-    which the native queue then runs itself (AOTInductor's runner, the Scalar as a 0-d tensor)."""
-    child = REPO / "tests" / "runtime" / "fusion_child.py"
+def _fusion_child(case: str, cache: Path) -> dict[str, Any]:
+    """tests/runtime/fusion_child.py's `case` with fusion on, on `aoti` (sync compiles, groups fused from
+    their second sighting, any size), over the local cache `cache`: its JSON report."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
     env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync", TORCH_NEURONX_ENABLE_CONCATENATION="1",
                TORCH_NEURONX_FUSION_MIN_SEEN="2", TORCH_NEURONX_FUSION_MIN_NUMEL="0",
-               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-fusion"))
-    r = subprocess.run([sys.executable, str(child), "compiled_group"], capture_output=True, text=True,
-                       env=env, timeout=900)
+               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(cache))
+    r = subprocess.run([sys.executable, str(REPO / "tests" / "runtime" / "fusion_child.py"), case],
+                       capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_fused_group_runs_natively_end_to_end(aoti_root: Path) -> None:
+    """Fusion on `aoti`: a group with a run-time Scalar and an in-place op compiles into one executable,
+    which the native queue then runs itself (AOTInductor's runner, the Scalar as a 0-d tensor)."""
+    out = _fusion_child("compiled_group", aoti_root / "neff-fusion")
     f = out["stats"]["fusion"]
     assert out["ok"], out["steps_ok"]
     assert f["groups_fused"] == 1 and f["fused_executions"] >= 3, f
@@ -358,15 +363,7 @@ def test_fused_group_runs_natively_end_to_end(aoti_root: Path) -> None:
 def test_a_fused_group_of_another_rank_runs_its_flat_kernel_natively(aoti_root: Path) -> None:
     """The group of `test_fused_group_runs_natively_end_to_end` on 8x8 and 4x4x4 views of the same
     memory: the same flat class (no compile), its in-place result written through the flat views."""
-    child = REPO / "tests" / "runtime" / "fusion_child.py"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
-    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync", TORCH_NEURONX_ENABLE_CONCATENATION="1",
-               TORCH_NEURONX_FUSION_MIN_SEEN="2", TORCH_NEURONX_FUSION_MIN_NUMEL="0",
-               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-fusion-ranks"))
-    r = subprocess.run([sys.executable, str(child), "compiled_group_ranks"], capture_output=True, text=True,
-                       env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _fusion_child("compiled_group_ranks", aoti_root / "neff-fusion-ranks")
     assert out["ok"], out["steps_ok"]
     assert out["compiles"][1:] == [0, 0], out["compiles"]
     assert out["stats"]["fusion"]["fused_executions"] >= 9, out["stats"]["fusion"]
