@@ -720,6 +720,12 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         lines.append("    return _zW(_zouts[0])")
     else:  # an output may be undefined (None), e.g. a backward op with a False output_mask entry
         lines.append("    return tuple([None if _zo is None else _zW(_zo) for _zo in _zouts])")
+    lists = [a.name for a in info.args if a.mutable and a.kind == _ops.TENSORS]
+    if lists:
+        # The tensors of a written list changed in place: bump their version counters, as CUDA's foreach
+        # kernels do (no ADInplaceOrView kernel does it for list ops), before every return.
+        bump = f"_zIV({lists[0]})" if len(lists) == 1 else f"_zIV([{', '.join('*' + n for n in lists)}])"
+        lines = [ln for line in lines for ln in _bump_before_return(line, bump)]
     # The executable a call would use, or None (the native hit path learns its entries from this).
     lines += ["", f"def lookup({sig}):"] + ["    " + b for b in key_lines]
     if can_queue:  # and whether fusion still queues this call (then the native kernel hands it over)
@@ -735,13 +741,24 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         "_zEXES": exes, "_zRT": runtime, "_zINFO": info, "_zW": wrap, "_zN": FAST,
         "_zCB": _copy_back_out, "_zCBA": _copy_back_all, "_zNUM": NUMBERS, "_zFC": torch._foreach_copy_,
         "_zPENDING": _fusion.PENDING, "_zFLUSH": _fusion.flush, "_zSUBMIT": _fusion.submit,
-        "_zQUEUES": _fusion.queues, "_zOUTMETA": _fusion.outmeta,
+        "_zQUEUES": _fusion.queues, "_zOUTMETA": _fusion.outmeta, "_zIV": torch._C._increment_version,
     }
     exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
     kernel: Callable[..., Any] = scope["kernel"]
     kernel.__neuron_source__ = src  # type: ignore[attr-defined]
     kernel.__neuron_lookup__ = scope["lookup"]  # type: ignore[attr-defined]
     return kernel
+
+
+def _bump_before_return(line: str, bump: str) -> list[str]:
+    """A generated kernel's line, with `bump` run before it if it returns (`return X` -> `_zr = X`,
+    `bump`, `return _zr`)."""
+    body = line.lstrip()
+    if not body.startswith("return"):
+        assert ": return" not in line, line  # every return of a list-mutating kernel is its own line
+        return [line]
+    pad = line[:len(line) - len(body)]
+    return [f"{pad}_zr = {body.removeprefix('return').strip() or 'None'}", f"{pad}{bump}", f"{pad}return _zr"]
 
 
 def _copy_back_out(target: torch.Tensor, result: torch.Tensor) -> None:

@@ -156,7 +156,8 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
     mutated = info.args.index(next(a for a in info.args if a.name == info.mutable[0])) if info.mutable else -1
     native.register_compute(qualname, [_NATIVE_KINDS[a.kind] for a in info.args],
                             [a.kwarg_only for a in info.args], [a.name for a in info.args], mutated,
-                            info.n_returns, info.returns_list, kernel, lookup, len(info.mutable) > 1)
+                            info.n_returns, info.returns_list, kernel, lookup,
+                            [i for i, a in enumerate(info.args) if a.mutable and a.kind == _ops.TENSORS])
     return True
 
 

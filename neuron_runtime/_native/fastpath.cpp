@@ -582,6 +582,9 @@ struct OpState final : c10::OperatorKernel {
   int mutated = -1;                  // in-place: the argument the op writes (and returns)
   bool several_mutated = false;      // it writes more than one argument (`_fused_adamw_`): only entries
                                      // of in-place executables run here, the others in Python
+  std::vector<int> mutated_lists;    // the tensor-list arguments it writes: their version counters are
+                                     // bumped here, as CUDA's foreach kernels do (no ADInplaceOrView
+                                     // kernel does it for list ops)
   size_t n_returns = 0;
   bool returns_list = false;         // a single Tensor[] return
   PyObject* kernel = nullptr;        // the Python kernel (never released: states live for the process)
@@ -926,6 +929,7 @@ struct OpState final : c10::OperatorKernel {
           const auto& l = target.toTensorList();
           if (outs.size() != l.size()) return false;
           for (size_t j = 0; j < l.size(); ++j) to_cpu(l.get(j)).copy_(outs[j]);
+          bump_versions(stack, base);
           torch::jit::drop(*stack, n);
           return true;
         }
@@ -957,10 +961,22 @@ struct OpState final : c10::OperatorKernel {
   // An in-place executable wrote the mutated argument already: nothing to copy back, the argument (a
   // tensor) is returned. Out of line and cold, so `run` stays as small for every other op.
   __attribute__((noinline, cold)) bool finish_in_place(Stack* stack, size_t base, size_t n) const {
+    bump_versions(stack, base);
     c10::IValue target = (*stack)[base + mutated];
     torch::jit::drop(*stack, n);
     if (target.isTensor()) stack->push_back(std::move(target));
     return true;
+  }
+
+  // The written lists' tensors changed in place: autograd must see it (an inference tensor has no counter).
+  void bump_versions(Stack* stack, size_t base) const {
+    for (int i : mutated_lists) {
+      const c10::IValue& v = (*stack)[base + i];
+      if (!v.isTensorList()) continue;
+      for (const at::Tensor& t : v.toTensorList()) {
+        if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+      }
+    }
   }
 
   static py::object number(const at::Tensor& t) {  // a wrapped number as the Python number it was
@@ -1409,9 +1425,10 @@ void register_special(const std::string& qualname, int which, std::vector<bool> 
 
 void register_compute(const std::string& qualname, std::vector<int> kinds, std::vector<bool> kwarg_only,
                       std::vector<std::string> names, int mutated, size_t n_returns, bool returns_list,
-                      py::object kernel, py::object lookup, bool several_mutated) {
+                      py::object kernel, py::object lookup, std::vector<int> mutated_lists) {
   auto state = std::make_unique<OpState>();
-  state->several_mutated = several_mutated;
+  state->several_mutated = mutated_lists.size() > 1;
+  state->mutated_lists = std::move(mutated_lists);
   state->kinds = std::move(kinds);
   state->kwarg_only = std::move(kwarg_only);
   state->names = std::move(names);

@@ -168,3 +168,51 @@ def test_in_place_signatures_are_their_own_keys(fresh_runtime: _dispatch.Runtime
     run = ReferenceCompiler().load(ReferenceCompiler().compile(inplace))
     t = torch.ones(4)
     assert run([t], [3.0]) == [] and t.eq(3).all()
+
+
+@pytest.mark.parametrize("writes_inputs", [True, False])
+def test_written_lists_bump_version_counters_so_autograd_sees_them(fresh_runtime: _dispatch.Runtime,
+                                                                   writes_inputs: bool) -> None:
+    """A list op writes its tensors in place: their version counters go up on every call — the first
+    (slow path), the next ones (native hit path) — as on CPU, so autograd refuses a backward through a
+    tensor a foreach op changed (no ADInplaceOrView kernel does this for list ops; CUDA's kernels do it)."""
+    class Tier(ReferenceCompiler):
+        pass
+
+    Tier.writes_inputs = writes_inputs
+    fresh_runtime.set_compiler(Tier())
+    for device in ("cpu", DEV):
+        xs = [torch.ones(4, device=device), torch.ones(2, device=device)]
+        for n in range(1, 4):
+            torch._foreach_mul_(xs, 2.0)
+            assert [x._version for x in xs] == [n, n], (device, n)
+        x = torch.ones(3, device=device, requires_grad=True)
+        y = x * 1
+        z = y.sin()  # saves y
+        torch._foreach_add_([y], 1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.sum().backward()
+    # Several lists (`_fused_adamw_`): on the tier without in-place executables the Python kernel serves
+    # every call; with them, the native path does after the first.
+    ps = _params(DEV)
+    opt = torch.optim.AdamW(ps, lr=0.05, fused=True)
+    for n in range(1, 4):
+        for p, g in zip(ps, _grads(n)):
+            p.grad = g.to(DEV)
+        opt.step()
+        assert {p._version for p in ps} == {opt.state[p]["exp_avg"]._version for p in ps} == {n}
+
+
+def test_every_list_mutating_kernel_bumps_before_each_return(fresh_runtime: _dispatch.Runtime,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every generated kernel of an op that writes a tensor list bumps the written tensors' versions on
+    each of its return paths (miss, hit, a failed run retried on the slow path)."""
+    names = [q for q in _ops.cpu_ops() if (i := _ops.classify(q)).kind == "mutating"
+             and any(a.mutable and a.kind == _ops.TENSORS for a in i.args)]
+    assert len(names) > 50, names
+    monkeypatch.setattr(_dispatch, "_EXES", dict(_dispatch._EXES))  # _codegen registers each kernel's table
+    for q in names:
+        src = _dispatch._codegen(_ops.classify(q)).__neuron_source__
+        kernel = src.split("\ndef lookup")[0]
+        returns = kernel.count("return ")
+        assert returns >= 2 and kernel.count("_zIV(") == returns, (q, kernel)
