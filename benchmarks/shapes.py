@@ -14,6 +14,7 @@ starts), doing the same work:
 
     python benchmarks/shapes.py [--tier reference|aoti] [--rounds R] [--steps N] [--cache-dir DIR]
     python benchmarks/shapes.py --kernels [--tier aoti]   # a static vs a generic executable, per op
+    python benchmarks/shapes.py --times-only [--tier aoti]  # step 3 alone: one shape, so few compiles
 
 On `aoti` every compile is real (minutes per policy); --cache-dir keeps the executables between runs.
 Sizes are chosen so that no sequence length, batch size or KV length equals a model dimension: equal sizes
@@ -33,7 +34,7 @@ CHILD = r"""
 import json, statistics, sys, time, torch
 import neuron_runtime
 torch.set_num_threads(1)
-steps, rounds = int(sys.argv[1]), int(sys.argv[2])
+steps, rounds, times_only = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "times"
 V, D, H = 128, 64, 1
 LENGTHS = [5, 6, 7, 9, 10, 11, 12, 13]
 BATCHES = [2, 3, 5, 6, 7, 9, 10, 11]
@@ -80,7 +81,8 @@ model, step = trainer("neuron")
 gen = torch.Generator().manual_seed(1)
 def ids(b, t, device="neuron"):
     return torch.randint(0, V, (b, t), generator=gen).to(device)
-for name, shapes in (("lengths", [(2, t) for t in LENGTHS]), ("batches", [(b, 4) for b in BATCHES])):
+for name, shapes in (() if times_only else (("lengths", [(2, t) for t in LENGTHS]),
+                                            ("batches", [(b, 4) for b in BATCHES]))):
     per, last = [], compiles()
     for b, t in shapes:
         for _ in range(2):
@@ -91,21 +93,22 @@ for name, shapes in (("lengths", [(2, t) for t in LENGTHS]), ("batches", [(b, 4)
         print(f"{name} {b}x{t}: {per[-1]} compiles", file=sys.stderr, flush=True)
     out[name] = {"shapes": shapes, "compiles": per}
 
-with torch.no_grad():
-    prompt = ids(2, 5)
-    last = compiles()
-    logits, kv = model(prompt)
-    out_prompt = compiles() - last
-    per, last = [], compiles()
-    tok = logits[:, -1:].argmax(-1)
-    for _ in range(32):
-        logits, kv = model(tok, kv)
+if not times_only:
+    with torch.no_grad():
+        prompt = ids(2, 5)
+        last = compiles()
+        logits, kv = model(prompt)
+        out_prompt = compiles() - last
+        per, last = [], compiles()
         tok = logits[:, -1:].argmax(-1)
-        now = compiles()
-        per.append(now - last)
-        last = now
-        print(f"token {len(per)}: {per[-1]} compiles", file=sys.stderr, flush=True)
-    out["generate"] = {"prompt_compiles": out_prompt, "per_token": per}
+        for _ in range(32):
+            logits, kv = model(tok, kv)
+            tok = logits[:, -1:].argmax(-1)
+            now = compiles()
+            per.append(now - last)
+            last = now
+            print(f"token {len(per)}: {per[-1]} compiles", file=sys.stderr, flush=True)
+        out["generate"] = {"prompt_compiles": out_prompt, "per_token": per}
 
 def mlp_trainer(device):
     torch.manual_seed(0)
@@ -194,13 +197,15 @@ def kernels(tier: str, rounds: int) -> dict:  # type: ignore[type-arg]
     return json.loads(line[len("RESULT "):])  # type: ignore[no-any-return]
 
 
-def run(policy: str, tier: str, cache: str, steps: int, rounds: int) -> dict:  # type: ignore[type-arg]
+def run(policy: str, tier: str, cache: str, steps: int, rounds: int,
+        times_only: bool = False) -> dict:  # type: ignore[type-arg]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
     env.update(TORCH_NEURONX_SHAPES=policy, TORCH_NEURONX_COMPILER=tier, TORCH_NEURONX_COMPILE_MODE="sync",
                TORCH_NEURONX_PREFETCH="0", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=os.path.join(cache, policy),
                OMP_NUM_THREADS="1")
     # The child's progress (compiles per shape) goes to our stderr as it happens.
-    p = subprocess.run([sys.executable, "-c", CHILD, str(steps), str(rounds)], env=env, stdout=subprocess.PIPE,
+    p = subprocess.run([sys.executable, "-c", CHILD, str(steps), str(rounds), "times" if times_only else "all"],
+                       env=env, stdout=subprocess.PIPE,
                        text=True, timeout=4 * 3600)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if p.returncode != 0 or line is None:
@@ -218,15 +223,21 @@ def main() -> int:
                     help="comma-separated TORCH_NEURONX_SHAPES values to run (aoti static: ~1,000 compiles)")
     ap.add_argument("--kernels", action="store_true",
                     help="only compare a static and a generic executable per op (add, mm, a row sum), called directly")
+    ap.add_argument("--times-only", action="store_true",
+                    help="only the step times at one shape (no sweep of lengths, batch sizes and tokens: "
+                         "the static aoti run compiles one shape's signatures, not ~1,000)")
     args = ap.parse_args()
     if args.kernels:
         print(json.dumps({"tier": args.tier, "kernels": kernels(args.tier, args.rounds)}, indent=1))
         return 0
     with tempfile.TemporaryDirectory(prefix="neuron-shapes-bench-") as tmp:
         cache = args.cache_dir or tmp
-        res = {p: run(p, args.tier, cache, args.steps, args.rounds) for p in args.policies.split(",")}
+        res = {p: run(p, args.tier, cache, args.steps, args.rounds, args.times_only)
+               for p in args.policies.split(",")}
     summary: dict[str, object] = {"tier": args.tier}
     for p, r in res.items():
+        if args.times_only:
+            continue
         first, later = r["lengths"]["compiles"][0], sum(r["lengths"]["compiles"][1:])
         summary[p] = {
             "first_length_compiles": first, "later_lengths_compiles": later,
