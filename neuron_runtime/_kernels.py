@@ -125,7 +125,7 @@ _installed: set[str] = set()
 
 # Special kernels with a native fast path (`fastpath.cpp`'s Special), falling back to ours.
 _NATIVE_SPECIAL = {"aten::empty.memory_format": 0, "aten::empty_strided": 1, "aten::_copy_from": 2,
-                   "aten::_local_scalar_dense": 3}
+                   "aten::_local_scalar_dense": 3, "aten::_to_copy": 4}
 
 # Argument kinds the native hit path serves (`fastpath.cpp`'s Kind), and nothing else.
 _NATIVE_KINDS = {_ops.TENSOR: 0, _ops.OPT_TENSOR: 1, _ops.SCALAR: 2, _ops.VALUE: 3, _ops.TENSORS: 4,

@@ -1328,7 +1328,7 @@ py::dict fusion_counters() {
 // (`clone`, `contiguous`, `reshape` of a non-contiguous tensor, `.to`) and `_local_scalar_dense`
 // (`.item()`, `bool()`): the common cases here, the rest (other layouts, pinned memory, other device
 // indices, conjugate/negative bits) by the Python kernels.
-enum Special : int { EMPTY = 0, EMPTY_STRIDED = 1, COPY_FROM = 2, LOCAL_SCALAR = 3 };
+enum Special : int { EMPTY = 0, EMPTY_STRIDED = 1, COPY_FROM = 2, LOCAL_SCALAR = 3, TO_COPY = 4 };
 
 struct SpecialKernel final : c10::OperatorKernel {
   Special which;
@@ -1386,6 +1386,7 @@ struct SpecialKernel final : c10::OperatorKernel {
       s.emplace_back(v);
       return true;
     }
+    if (which == TO_COPY) return to_copy(s, base, n);
     // _copy_from(self, dst, non_blocking) -> dst
     at::Tensor src, dst;
     if (!s[base].isTensor() || !s[base + 1].isTensor() || !host(s[base].toTensor(), src) ||
@@ -1396,6 +1397,33 @@ struct SpecialKernel final : c10::OperatorKernel {
     c10::IValue result = s[base + 1];
     torch::jit::drop(s, n);
     s.push_back(std::move(result));
+    return true;
+  }
+
+  // _to_copy(self, dtype?, layout?, device?, pin_memory?, non_blocking, memory_format?): `.to()` between
+  // the host and neuron, or to another dtype. Neuron memory is host memory: the copy is the host's
+  // `_to_copy` of the CPU view, complete on return (`non_blocking` changes nothing), relabelled for neuron.
+  // Another device, a pinned or non-strided target: the Python kernel (which raises or handles it).
+  bool to_copy(Stack& s, size_t base, size_t n) {
+    at::Tensor src;
+    if (!s[base].isTensor() || !host(s[base].toTensor(), src)) return false;
+    const c10::IValue &dtype = s[base + 1], &layout = s[base + 2], &device = s[base + 3], &pin = s[base + 4],
+                      &mf = s[base + 6];
+    if ((!layout.isNone() && layout.toLayout() != c10::kStrided) || (!pin.isNone() && pin.toBool())) return false;
+    bool to_neuron;
+    if (device.isNone()) {
+      to_neuron = s[base].toTensor().device().type() == c10::DeviceType::PrivateUse1;
+    } else if (device.toDevice().type() == c10::DeviceType::CPU) {
+      to_neuron = false;
+    } else if (on_neuron(device)) {
+      to_neuron = true;
+    } else {
+      return false;
+    }
+    at::Tensor out = at::_to_copy(src, dtype.toOptional<c10::ScalarType>(), std::nullopt, c10::Device(c10::kCPU),
+                                  std::nullopt, false, mf.toOptional<c10::MemoryFormat>());
+    torch::jit::drop(s, n);
+    s.emplace_back(to_neuron ? to_neuron_fresh(std::move(out)) : std::move(out));
     return true;
   }
 

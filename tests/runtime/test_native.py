@@ -178,3 +178,47 @@ def test_without_a_compiler_every_op_takes_the_python_path(tmp_path: Path) -> No
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[-2] == "True [1.0, 3.0, 5.0, 7.0]"
     assert "native dispatch layer unavailable" in r.stderr and "TORCH_NEURONX_NATIVE=0" in r.stderr
+
+
+@native
+def test_to_copies_run_natively_with_to_semantics(fresh_runtime: _dispatch.Runtime) -> None:
+    """`.to()` between the host and neuron (and to another dtype or memory format) is served by the native
+    layer without calling Python, with the results PyTorch gives on CPU; anything it does not serve (a
+    neuron index that does not exist) still gets the Python kernel's error."""
+    import sys
+
+    x = torch.randn(2, 3, 4, 5)
+    n = x.to(DEV)  # first call: loads the kernel
+    base = torch.neuron.memory_allocated()
+    calls: list[str] = []
+
+    def watch(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "call" and "neuron_runtime" in frame.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(watch)
+    try:
+        to_dev = x.to(DEV)
+        back = n.to("cpu")
+        half = n.to(torch.float16)
+        last = n.to(memory_format=torch.channels_last)
+        nb = x.to(DEV, non_blocking=True)
+        same = n.to(DEV, copy=True)
+    finally:
+        sys.setprofile(None)
+    assert calls == [], calls
+    for t, want, dev in ((to_dev, x, DEV), (back, x, "cpu"), (half, x.half(), DEV), (nb, x, DEV), (same, x, DEV),
+                         (last, x.to(memory_format=torch.channels_last), DEV)):
+        assert t.device.type == dev and t.dtype == want.dtype and t.stride() == want.stride()
+        assert torch.equal(t.cpu(), want)
+    assert last.is_contiguous(memory_format=torch.channels_last)
+    same.add_(1)  # a copy, never the source's memory
+    assert torch.equal(n.cpu(), x)
+    assert torch.neuron.memory_allocated() - base == 4 * x.nbytes + half.nbytes
+    del to_dev, half, last, nb, same, t
+    assert torch.neuron.memory_allocated() == base
+    g = x.clone().requires_grad_()
+    (g.to(DEV) * 2).sum().backward()  # autograd through the copy
+    assert torch.equal(g.grad, torch.full_like(x, 2.0))
+    with pytest.raises(RuntimeError, match="neuron:1 does not exist"):
+        x.to("neuron:1")
