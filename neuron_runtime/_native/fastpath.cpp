@@ -48,10 +48,12 @@ using Stack = torch::jit::Stack;
 
 // ---------------------------------------------------------------------------------------------------
 // Relabelling: a tensor of the other device over the same storage. The new storage's context holds a
-// reference to the source tensor (as a DLPack capsule does), so the memory lives as long as either, and
-// the source's use count says whether anything still reads it (fusion relies on that).
+// reference to the source: a neuron tensor made of a CPU tensor holds that tensor (the CPU tensor's use
+// count says whether anything still reads it: fusion relies on that), a CPU view of a neuron tensor holds
+// the neuron tensor's storage, not the tensor, so `x.data = y` on the neuron tensor cannot free memory a
+// view still reads (a queued op's input).
 // ---------------------------------------------------------------------------------------------------
-void drop_source(void* ctx) { delete static_cast<at::Tensor*>(ctx); }
+void drop_source(void* ctx) { delete static_cast<c10::Storage*>(ctx); }
 
 // mutable_data(): a copy-on-write storage gets its own memory first, as a DLPack export does. `ctx` and
 // `del` make the new storage's DataPtr context: what keeps the source alive, and how it is let go.
@@ -101,7 +103,7 @@ at::Tensor to_neuron_fresh(at::Tensor&& t) {
 }
 
 at::Tensor to_cpu(const at::Tensor& t) {
-  return relabel(t, t.storage(), c10::DispatchKey::CPU, kCpu, new at::Tensor(t), &drop_source);
+  return relabel(t, t.storage(), c10::DispatchKey::CPU, kCpu, new c10::Storage(t.storage()), &drop_source);
 }
 
 const c10::DispatchKeySet kCpuKeys(c10::DispatchKey::CPU);
@@ -535,7 +537,8 @@ struct GroupExe {
 std::vector<QNode> g_queue;
 // The CPU views the queued ops took, by neuron tensor (an optimizer's step reads each gradient three
 // times and updates tensors it has just read): one view per tensor while its metadata stays the same.
-// Each view holds its tensor, so an address here cannot be reused by another tensor before run_queue.
+// Each view holds its tensor's storage: a later tensor at the same address gets a new view unless it
+// reads the same memory the same way (the checks in queued_view).
 std::unordered_map<const c10::TensorImpl*, at::Tensor> g_views;
 std::unordered_map<const c10::TensorImpl*, std::pair<int64_t, int64_t>> g_writer;  // last writer per tensor
 std::unordered_set<const void*> g_written;  // storage pointers queued ops write

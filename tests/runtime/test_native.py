@@ -222,3 +222,19 @@ def test_to_copies_run_natively_with_to_semantics(fresh_runtime: _dispatch.Runti
     assert torch.equal(g.grad, torch.full_like(x, 2.0))
     with pytest.raises(RuntimeError, match="neuron:1 does not exist"):
         x.to("neuron:1")
+
+
+@native
+def test_a_cpu_view_keeps_its_memory_when_the_tensor_gets_new_data() -> None:
+    """A CPU view of a neuron tensor (what a queued op reads) holds the tensor's storage: `n.data = other`
+    gives the tensor new memory, and the old memory lives on, with its values, as long as the view does."""
+    x = torch.arange(4096, dtype=torch.float32)
+    n = x.to(DEV)  # a fresh buffer: its neuron storage is the only owner
+    base = torch.neuron.memory_allocated()
+    view = _hostmem.to_cpu(n)
+    n.data = torch.zeros(8, device=DEV)
+    assert torch.neuron.memory_allocated() - base == 8 * 4  # the old buffer is still counted: not freed
+    filler = [torch.full((4096,), -1.0) for _ in range(8)]  # would take the memory, had it been freed
+    assert torch.equal(view, x), filler[0][:1]
+    del view
+    assert torch.neuron.memory_allocated() - base == 8 * 4 - x.nbytes
