@@ -11,7 +11,10 @@ rounds (A then B, `--rounds` times), medians reported with their ratio:
     the compiles of all ranks summed vs the job's unique keys — target equal;
   * DDP on the MLP of benchmarks/fusion.py, step time — target neuron <= 1.2x CPU — in three loops:
     `fixed` (one batch, the loss read at the end), `fresh+item` (a new batch every step, `loss.item()`
-    every step) and `wide` (a 4x wider MLP).
+    every step) and `wide` (a 4x wider MLP). Its rounds alternate the order (A B, B A, ...) and `ratio`
+    is the median of the per-round quotients; `cpu_time_ratio` is the same for the ranks' CPU time, which
+    the scheduler's placement of two ranks on a shared host does not move.
+Rank r is pinned to core r when the host has a core per rank (`--no-pin` to not).
 OMP_NUM_THREADS=1 and one torch thread per rank; compiler tier TORCH_NEURONX_COMPILER (default
 reference, i.e. the runtime's own cost; executables are compiled/loaded before timing).
 """
@@ -115,19 +118,35 @@ def _rank(args: argparse.Namespace) -> int:
     gloo = dist.new_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    def timed(fn, n: int) -> float:
+    if args.pin and (os.cpu_count() or 1) >= world:  # each rank owns a core, as each owns a NeuronCore
+        os.sched_setaffinity(0, {rank})
+
+    def timed(fn, n: int) -> tuple[float, float]:
+        """Seconds per call of `fn`: wall clock, and this process's CPU time (its gloo threads included)."""
         dist.barrier(group=gloo)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n):
             fn()
-        return (time.perf_counter() - t0) / n
+        return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
-    def side_by_side(a, b, n: int) -> tuple[float, float]:
+    ratios: dict[str, float] = {}
+
+    def side_by_side(a, b, n: int, name: str = "") -> tuple[float, float]:
+        """Median seconds of `a` and of `b` over the rounds, which alternate the order (A B, B A, ...);
+        `ratios[name]` gets the median of the per-round quotients a/b, and `ratios[name + "_cpu"]` the same
+        for CPU time (the work each side does, whatever the scheduler does with two ranks on a busy host)."""
         a(), b()  # warm
-        ta, tb = [], []
-        for _ in range(args.rounds):
-            ta.append(timed(a, n))
-            tb.append(timed(b, n))
+        ta, tb, wall, cpu = [], [], [], []
+        for r in range(args.rounds):
+            if r % 2 == 0:
+                (wa, ca), (wb, cb) = timed(a, n), timed(b, n)
+            else:
+                (wb, cb), (wa, ca) = timed(b, n), timed(a, n)
+            ta.append(wa)
+            tb.append(wb)
+            wall.append(wa / wb)
+            cpu.append(ca / cb)
+        ratios[name], ratios[name + "_cpu"] = statistics.median(wall), statistics.median(cpu)
         return statistics.median(ta), statistics.median(tb)
 
     result: dict[str, object] = {"ranks": world, "rounds": args.rounds, "compiler": os.environ["TORCH_NEURONX_COMPILER"],
@@ -188,13 +207,15 @@ def _rank(args: argparse.Namespace) -> int:
             steps[("neuron", True)]()
             steps[("neuron", False)]()
         neuron_runtime.wait_for_compiles()
-        ta, tb = side_by_side(steps[("neuron", True)], steps[("cpu", True)], 10)
+        ta, tb = side_by_side(steps[("neuron", True)], steps[("cpu", True)], args.steps, "ddp")
         # The same loop without DDP (each rank alone): how much of the gap is the runtime's per-op cost
         # rather than communication.
-        la, lb = side_by_side(steps[("neuron", False)], steps[("cpu", False)], 10)
-        result["ddp"][loop] = {"neuron_ms": round(ta * 1e3, 3), "cpu_ms": round(tb * 1e3, 3),  # type: ignore[index]
-                               "ratio": round(ta / tb, 3), "no_ddp_neuron_ms": round(la * 1e3, 3),
-                               "no_ddp_cpu_ms": round(lb * 1e3, 3), "no_ddp_ratio": round(la / lb, 3)}
+        la, lb = side_by_side(steps[("neuron", False)], steps[("cpu", False)], args.steps, "alone")
+        result["ddp"][loop] = {  # type: ignore[index]
+            "neuron_ms": round(ta * 1e3, 3), "cpu_ms": round(tb * 1e3, 3), "ratio": round(ratios["ddp"], 3),
+            "ratio_of_medians": round(ta / tb, 3), "cpu_time_ratio": round(ratios["ddp_cpu"], 3),
+            "no_ddp_neuron_ms": round(la * 1e3, 3), "no_ddp_cpu_ms": round(lb * 1e3, 3),
+            "no_ddp_ratio": round(ratios["alone"], 3), "no_ddp_cpu_time_ratio": round(ratios["alone_cpu"], 3)}
     result["stats_collectives"] = neuron_runtime.stats()["collectives"]
     if rank == 0:
         print(json.dumps(result))
@@ -207,6 +228,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9, help="interleaved A/B rounds (medians of these)")
+    p.add_argument("--steps", type=int, default=40, help="DDP training steps per round and side")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not pin rank r to core r (pinned when the host has a core per rank)")
     p.add_argument("--rank-main", choices=["speed", "cold"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank_main == "cold":
