@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -20,6 +19,7 @@ os.environ.setdefault("TORCH_NEURONX_COMPILER", "reference")
 import torch  # noqa: E402
 
 import neuron_runtime  # noqa: E402
+from _ab import interleaved_medians  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -35,11 +35,7 @@ def compare(native, neuron, n: int, rounds: int) -> dict[str, float]:
     native(), neuron(), native(), neuron()  # warm (compiles happen here, or are queued in background mode)
     neuron_runtime.wait_for_compiles()  # background mode: the executables are in memory ...
     neuron(), neuron()  # ... and installed for the hit path (measured below), never the host path
-    a, b = [], []
-    for _ in range(rounds):
-        a.append(_time(native, n))
-        b.append(_time(neuron, n))
-    na, nb = statistics.median(a), statistics.median(b)
+    na, nb = interleaved_medians(lambda: _time(native, n), lambda: _time(neuron, n), rounds)
     return {"native_us": round(na, 2), "neuron_us": round(nb, 2), "ratio": round(nb / na, 2)}
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ os.environ.setdefault("TORCH_NEURONX_COMPILER", "reference")
 import torch  # noqa: E402
 
 import neuron_runtime  # noqa: E402
+from _ab import interleaved_medians  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -60,11 +60,7 @@ def compare(size: str, kind: str, steps: int, rounds: int) -> dict[str, float]:
         ms_per_step(opt, 3)
     neuron_runtime.wait_for_compiles()
     ms_per_step(neu, 3)
-    c, n = [], []
-    for _ in range(rounds):
-        c.append(ms_per_step(cpu, steps))
-        n.append(ms_per_step(neu, steps))
-    mc, mn = statistics.median(c), statistics.median(n)
+    mc, mn = interleaved_medians(lambda: ms_per_step(cpu, steps), lambda: ms_per_step(neu, steps), rounds)
     return {"cpu_ms": round(mc, 3), "neuron_ms": round(mn, 3), "neuron_over_cpu": round(mn / mc, 2)}
 
 
