@@ -129,12 +129,10 @@ def _rank(args: argparse.Namespace) -> int:
             fn()
         return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
-    ratios: dict[str, float] = {}
-
-    def side_by_side(a, b, n: int, name: str = "") -> tuple[float, float]:
-        """Median seconds of `a` and of `b` over the rounds, which alternate the order (A B, B A, ...);
-        `ratios[name]` gets the median of the per-round quotients a/b, and `ratios[name + "_cpu"]` the same
-        for CPU time (the work each side does, whatever the scheduler does with two ranks on a busy host)."""
+    def side_by_side(a, b, n: int) -> tuple[float, float, float, float]:
+        """Median seconds of `a` and of `b` over the rounds, which alternate the order (A B, B A, ...), then
+        the median of the per-round quotients a/b in wall clock and in CPU time (the work each side does,
+        whatever the scheduler does with two ranks on a busy host)."""
         a(), b()  # warm
         ta, tb, wall, cpu = [], [], [], []
         for r in range(args.rounds):
@@ -146,14 +144,14 @@ def _rank(args: argparse.Namespace) -> int:
             tb.append(wb)
             wall.append(wa / wb)
             cpu.append(ca / cb)
-        ratios[name], ratios[name + "_cpu"] = statistics.median(wall), statistics.median(cpu)
-        return statistics.median(ta), statistics.median(tb)
+        return statistics.median(ta), statistics.median(tb), statistics.median(wall), statistics.median(cpu)
 
     result: dict[str, object] = {"ranks": world, "rounds": args.rounds, "compiler": os.environ["TORCH_NEURONX_COMPILER"],
                                  "transport": "gloo over zero-copy host views", "collectives": {}, "ddp": {}}
     # The backend's own cost per call (views, Work, counters) shows on a 4-byte all_reduce's latency.
     one_dev, one_cpu = torch.ones(1, device="neuron"), torch.ones(1)
-    ta, tb = side_by_side(lambda: dist.all_reduce(one_dev), lambda: dist.all_reduce(one_cpu, group=gloo), 200)
+    ta, tb, _, _ = side_by_side(lambda: dist.all_reduce(one_dev), lambda: dist.all_reduce(one_cpu, group=gloo),
+                                200)
     result["all_reduce_4B_latency_us"] = {"neuron": round(ta * 1e6, 1), "cpu": round(tb * 1e6, 1),
                                           "ratio": round(ta / tb, 3)}
     for mib in (1, 64):
@@ -175,7 +173,7 @@ def _rank(args: argparse.Namespace) -> int:
                 dev_o, cpu_o = torch.empty(part, device="neuron"), torch.empty(part)
                 fa = lambda: dist.reduce_scatter_tensor(dev_o, dev_x)  # noqa: E731
                 fb = lambda: dist.reduce_scatter_tensor(cpu_o, cpu_x, group=gloo)  # noqa: E731
-            ta, tb = side_by_side(fa, fb, n)
+            ta, tb, _, _ = side_by_side(fa, fb, n)
             nbytes = numel * 4
             result["collectives"][f"{op}_{mib}MiB"] = {  # type: ignore[index]
                 "neuron_GBps": round(nbytes / ta / 1e9, 3), "cpu_GBps": round(nbytes / tb / 1e9, 3),
@@ -207,15 +205,15 @@ def _rank(args: argparse.Namespace) -> int:
             steps[("neuron", True)]()
             steps[("neuron", False)]()
         neuron_runtime.wait_for_compiles()
-        ta, tb = side_by_side(steps[("neuron", True)], steps[("cpu", True)], args.steps, "ddp")
+        ta, tb, ratio, cpu_ratio = side_by_side(steps[("neuron", True)], steps[("cpu", True)], args.steps)
         # The same loop without DDP (each rank alone): how much of the gap is the runtime's per-op cost
         # rather than communication.
-        la, lb = side_by_side(steps[("neuron", False)], steps[("cpu", False)], args.steps, "alone")
+        la, lb, alone, alone_cpu = side_by_side(steps[("neuron", False)], steps[("cpu", False)], args.steps)
         result["ddp"][loop] = {  # type: ignore[index]
-            "neuron_ms": round(ta * 1e3, 3), "cpu_ms": round(tb * 1e3, 3), "ratio": round(ratios["ddp"], 3),
-            "ratio_of_medians": round(ta / tb, 3), "cpu_time_ratio": round(ratios["ddp_cpu"], 3),
+            "neuron_ms": round(ta * 1e3, 3), "cpu_ms": round(tb * 1e3, 3), "ratio": round(ratio, 3),
+            "ratio_of_medians": round(ta / tb, 3), "cpu_time_ratio": round(cpu_ratio, 3),
             "no_ddp_neuron_ms": round(la * 1e3, 3), "no_ddp_cpu_ms": round(lb * 1e3, 3),
-            "no_ddp_ratio": round(ratios["alone"], 3), "no_ddp_cpu_time_ratio": round(ratios["alone_cpu"], 3)}
+            "no_ddp_ratio": round(alone, 3), "no_ddp_cpu_time_ratio": round(alone_cpu, 3)}
     result["stats_collectives"] = neuron_runtime.stats()["collectives"]
     if rank == 0:
         print(json.dumps(result))
