@@ -51,6 +51,7 @@ class Result:
     samples: int = 0
     host_ops: dict[str, str] = dataclasses.field(default_factory=dict)   # on purpose (HOST table, random)
     fallback_ops: dict[str, str] = dataclasses.field(default_factory=dict)  # the compiler refused
+    per_shape: dict[str, str] = dataclasses.field(default_factory=dict)  # compiled per shape: no generic kernel
     executions: int = 0
     compiles: int = 0
     seconds: float = 0.0
@@ -91,6 +92,19 @@ class _HostLog:
 
     def __exit__(self, *exc: Any) -> None:
         self.active = False
+
+
+def per_shape(refused: dict[str, str], before: set[str]) -> dict[str, str]:
+    """The shape classes refused since `before` (the resolver's `refused_classes`), as {aten op: reason}:
+    the ops this check compiled per shape because they have no generic executable."""
+    out: dict[str, str] = {}
+    for k in sorted(set(refused) - before):
+        reason = refused[k]
+        op, sep, why = reason.partition(": ")
+        if not sep or "::" not in op:
+            op, why = "?", reason
+        out.setdefault(op, why)
+    return dict(sorted(out.items()))
 
 
 def pick_dtype(op: Any) -> torch.dtype | None:
@@ -327,6 +341,7 @@ def check_op(op: Any, k: int = 3, dtype: torch.dtype | None = None, deadline_s: 
     log.fallback.clear()
     rt = _dispatch.runtime()
     before = rt.stats()
+    refused_before = set(rt.resolver.refused_classes)
     values = name not in METADATA_ONLY and not op.has_nondeterministic_output
     grad = (not forward_only and op.supports_autograd and name not in NO_BACKWARD and (dtype.is_floating_point or dtype.is_complex)
             and dtype in op.supported_backward_dtypes("cpu"))
@@ -361,6 +376,7 @@ def check_op(op: Any, k: int = 3, dtype: torch.dtype | None = None, deadline_s: 
     res.host_ops = dict(sorted(log.host.items()))
     # The runtime notes why an op fell back after running it on the host: take the reason from there.
     res.fallback_ops = {q: rt.fallback_ops.get(q, w) for q, w in sorted(log.fallback.items())}
+    res.per_shape = per_shape(rt.resolver.refused_classes, refused_before)
     res.checks = sorted(checks)
     res.seconds = time.monotonic() - t0
     if res.status == "compiled":

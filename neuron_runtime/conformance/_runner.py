@@ -253,6 +253,8 @@ def coverage_map(tier: str, results: dict[str, dict[str, Any]], missing: list[st
         "compiled_pct": round(100.0 * counts["compiled"] / total, 2) if total else 0.0,
         "fallback_host_by_design": by_design,
         "fallback_compiler_refused": counts["fallback"] - by_design,
+        "shapes": os.environ.get("TORCH_NEURONX_SHAPES", "auto").lower(),
+        "per_shape": sum(1 for r in ops.values() if r.get("per_shape")),
         **dtype_summary(ops),
         "samples_per_op": samples,
         "partial": bool(missing),
@@ -347,6 +349,14 @@ def markdown(cov: dict[str, Any]) -> str:
         lines += ["## Mismatches and errors", "", "| op | status | reason | known cause |", "|---|---|---|---|"]
         lines += [f"| `{n}` | {r['status']} | {_cell(r.get('reason', ''))} | {_cell(KNOWN_FAILURES.get(n, ''))} |"
                   for n, r in bad]
+        lines.append("")
+    fixed = [(n, q, why) for n, r in cov["ops"].items() for q, why in r.get("per_shape", {}).items()]
+    if fixed:
+        lines += ["## Compiled per shape", "",
+                  f"Shape policy `{s.get('shapes', 'auto')}`: {s['per_shape']} ops ran an aten op whose shape class "
+                  "has no generic executable (the compiler refused it), so it compiled per shape.", "",
+                  "| op | aten op | reason |", "|---|---|---|"]
+        lines += [f"| `{n}` | `{q}` | {_cell(why)} |" for n, q, why in fixed]
         lines.append("")
     pairs = [(n, d, r) for n, o in cov["ops"].items() for d, r in o.get("dtypes", {}).items() if r.get("cuda_only")]
     if pairs:
