@@ -106,6 +106,40 @@ at::Tensor to_cpu(const at::Tensor& t) {
   return relabel(t, t.storage(), c10::DispatchKey::CPU, kCpu, new c10::Storage(t.storage()), &drop_source);
 }
 
+// The CPU view the native path hands a kernel for a neuron tensor, kept in the tensor's BackendMeta slot:
+// made once per tensor rather than once per op that reads it (a parameter is read by every step). A
+// `CpuView` never changes once made; it serves only while the tensor still has the storage, memory,
+// sizes, strides, offset, dtype and conj/neg bits it was made for (`fits`), else a new one replaces it.
+// A detached or shallow copy of the tensor shares it (BackendMeta::clone's default) under the same
+// check. It holds the view, the view holds the storage: no cycle back to the tensor, and `x.data = y`
+// drops it with the old memory (TensorImpl's metadata copy replaces or clears the slot). One lock for
+// all slots: two threads may read one tensor (autograd's engine and the main thread).
+struct CpuView final : c10::BackendMeta {
+  CpuView(at::Tensor v, const c10::StorageImpl* s) : view(std::move(v)), of(s), ctx(s->data_ptr().get_context()) {}
+  at::Tensor view;
+  const c10::StorageImpl* of;  // the neuron storage it views (alive while the view is)
+  const void* ctx;             // that storage's DataPtr context then: a swapped DataPtr (resize, a
+                               // copy-on-write clone) makes the view stale
+};
+std::mutex g_view_mu;
+
+inline bool fits(const CpuView& c, const at::Tensor& t) {
+  const c10::StorageImpl* s = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  const at::Tensor& v = c.view;
+  return c.of == s && c.ctx == s->data_ptr().get_context() && v.storage().data() == s->data() &&
+         v.storage().nbytes() == s->nbytes() && v.dtype() == t.dtype() && v.storage_offset() == t.storage_offset() &&
+         v.sizes() == t.sizes() && v.strides() == t.strides() && v.is_conj() == t.is_conj() && v.is_neg() == t.is_neg();
+}
+
+at::Tensor cpu_view(const at::Tensor& t) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  std::lock_guard<std::mutex> lock(g_view_mu);
+  if (auto* c = dynamic_cast<CpuView*>(impl->get_backend_meta()); c != nullptr && fits(*c, t)) return c->view;
+  at::Tensor v = to_cpu(t);
+  impl->set_backend_meta(c10::make_intrusive<CpuView>(v, impl->unsafe_storage().unsafeGetStorageImpl()));
+  return v;
+}
+
 const c10::DispatchKeySet kCpuKeys(c10::DispatchKey::CPU);
 
 // ---------------------------------------------------------------------------------------------------
@@ -865,11 +899,11 @@ struct OpState final : c10::OperatorKernel {
           const c10::IValue& v = (*stack)[base + i];
           if ((kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) && v.isTensor() && v.toTensor().defined() &&
               !v.toTensor().unsafeGetTensorImpl()->is_wrapped_number()) {
-            cpu.emplace_back(to_cpu(v.toTensor()));
+            cpu.emplace_back(cpu_view(v.toTensor()));
           } else if (kinds[i] == TENSORS) {
             c10::List<at::Tensor> l;
             l.reserve(v.toTensorList().size());
-            for (const at::Tensor& t : v.toTensorList()) l.push_back(to_cpu(t));
+            for (const at::Tensor& t : v.toTensorList()) l.push_back(cpu_view(t));
             cpu.emplace_back(std::move(l));
           } else {
             cpu.push_back(v);
@@ -893,9 +927,9 @@ struct OpState final : c10::OperatorKernel {
           if (kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) {
             if (!v.isTensor() || !v.toTensor().defined()) continue;
             const at::Tensor& t = v.toTensor();
-            in.push_back(t.unsafeGetTensorImpl()->is_wrapped_number() ? t : to_cpu(t));
+            in.push_back(t.unsafeGetTensorImpl()->is_wrapped_number() ? t : cpu_view(t));
           } else if (kinds[i] == TENSORS) {
-            for (const at::Tensor& t : v.toTensorList()) in.push_back(to_cpu(t));
+            for (const at::Tensor& t : v.toTensorList()) in.push_back(cpu_view(t));
           } else if (kinds[i] == SCALAR && !v.isNone()) {
             scalars.push_back(v);
           } else if (kinds[i] == SCALARS && !v.isNone()) {
@@ -931,13 +965,13 @@ struct OpState final : c10::OperatorKernel {
         if (target.isTensorList()) {  // `_foreach_add_`: every result into its list element
           const auto& l = target.toTensorList();
           if (outs.size() != l.size()) return false;
-          for (size_t j = 0; j < l.size(); ++j) to_cpu(l.get(j)).copy_(outs[j]);
+          for (size_t j = 0; j < l.size(); ++j) cpu_view(l.get(j)).copy_(outs[j]);
           bump_versions(stack, base);
           torch::jit::drop(*stack, n);
           return true;
         }
         if (outs.empty()) return false;
-        to_cpu(target.toTensor()).copy_(outs[0]);
+        cpu_view(target.toTensor()).copy_(outs[0]);
         c10::IValue self = target;
         torch::jit::drop(*stack, n);
         stack->push_back(std::move(self));
@@ -1485,6 +1519,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "neuron-runtime's native hit path";
   m.def("to_neuron", &to_neuron, "A neuron tensor over a CPU tensor's memory");
   m.def("to_cpu", &to_cpu, "A CPU tensor over a neuron tensor's memory");
+  m.def("has_cpu_view", [](const at::Tensor& t) {
+    std::lock_guard<std::mutex> lock(g_view_mu);
+    auto* c = dynamic_cast<CpuView*>(t.unsafeGetTensorImpl()->get_backend_meta());
+    return c != nullptr && fits(*c, t);
+  }, "whether the native path keeps a CPU view of the tensor that still fits it (cpu_view)");
   m.def("register_view", &register_view);
   m.def("register_device_guard", &register_device_guard, "False if PrivateUse1 already has a guard");
   m.def("register_allocator", &neuron_memory::register_allocator, "PrivateUse1's allocator (memory.h)");

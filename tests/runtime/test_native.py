@@ -238,3 +238,54 @@ def test_a_cpu_view_keeps_its_memory_when_the_tensor_gets_new_data() -> None:
     assert torch.equal(view, x)
     del view, filler
     assert torch.neuron.memory_allocated() - base == 8 * 4 - x.nbytes
+
+
+def _hits(fn, want, calls: int = 4) -> None:
+    """`fn()` equals `want()` on every call: the first compiles, the second teaches the native kernel, the
+    rest are native hits."""
+    for _ in range(calls):
+        assert_same(want(), fn())
+
+
+@native
+def test_a_tensor_keeps_its_cpu_view_only_while_the_view_fits(fresh_runtime: _dispatch.Runtime) -> None:
+    """The native path keeps each input's CPU view in the tensor (one view per tensor, not per op); a
+    tensor whose memory or layout changed in place gets a new view, never reads through the old one."""
+    has = _hostmem.NATIVE.has_cpu_view
+    a, b = torch.randn(4, 6), torch.randn(4, 6)
+    na, nb = a.to(DEV), b.to(DEV)
+    _hits(lambda: na + nb, lambda: a + b)
+    assert has(na) and has(nb)
+    assert has(na.detach())  # a detached copy (what autograd hands AccumulateGrad) shares it
+
+    a.t_(), na.t_()  # new strides: the old view would read the wrong elements
+    assert not has(na)
+    _hits(lambda: na * 2, lambda: a * 2)
+    assert has(na)
+
+    c = torch.randn(6, 4)
+    a.set_(c), na.set_(c.to(DEV))  # same sizes and strides, other memory
+    assert not has(na)
+    _hits(lambda: na * 2, lambda: a * 2)
+
+    na.data = b.to(DEV)  # new data: the slot is cleared with the old memory
+    assert not has(na)
+    _hits(lambda: na - 1, lambda: b - 1)
+
+    n = torch.arange(4.0, device=DEV)
+    _hits(lambda: n + 1, lambda: torch.arange(4.0) + 1)
+    n.resize_(4096)  # the storage grows: new memory under the same storage
+    assert not has(n)
+    n.copy_(torch.arange(4096.0))
+    _hits(lambda: n + 1, lambda: torch.arange(4096.0) + 1)
+
+
+@native
+def test_a_kept_cpu_view_lives_as_long_as_its_tensor(fresh_runtime: _dispatch.Runtime) -> None:
+    x = torch.arange(4096, dtype=torch.float32)
+    base = torch.neuron.memory_allocated()
+    n = x.to(DEV)
+    _hits(lambda: n * 2, lambda: x * 2)
+    assert _hostmem.NATIVE.has_cpu_view(n)
+    del n
+    assert torch.neuron.memory_allocated() == base  # the view it kept is gone with it
