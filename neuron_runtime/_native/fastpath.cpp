@@ -634,61 +634,66 @@ struct OpState final : c10::OperatorKernel {
   bool build_key(const Stack& stack, size_t base, Key& key) const {
     key.reserve(48);
     for (size_t i = 0; i < kinds.size(); ++i) {
-      const c10::IValue& v = stack[base + i];
-      switch (kinds[i]) {
-        case TENSOR:
-        case OPT_TENSOR: {
-          if (v.isNone() || (v.isTensor() && !v.toTensor().defined())) {  // C++ callers pass undefined
-            if (kinds[i] != OPT_TENSOR) return false;
-            key.push_back(T_NONE);
-            break;
-          }
-          if (!v.isTensor()) return false;
-          const at::Tensor& t = v.toTensor();
-          if (t.defined() && t.unsafeGetTensorImpl()->is_wrapped_number()) {
-            if (kinds[i] != TENSOR) return false;
-            key.push_back(T_WRAPPED);
-            key.push_back(static_cast<int64_t>(t.scalar_type()));
-            break;
-          }
-          if (!tensor_words(t, key)) return false;
-          break;
-        }
-        case TENSORS: {
-          if (!v.isTensorList()) return false;
-          const auto& l = v.toTensorList();
-          key.push_back(T_LIST);
-          key.push_back(static_cast<int64_t>(l.size()));
-          for (const at::Tensor& t : l) {
-            if (!tensor_words(t, key)) return false;
-          }
-          break;
-        }
-        case SCALAR:
-          if (!scalar_word(v, key)) return false;
-          break;
-        case SCALARS: {
-          if (v.isNone()) {
-            key.push_back(T_NONE);
-            break;
-          }
-          if (!v.isList()) return false;
-          const auto& l = v.toListRef();
-          key.push_back(T_LIST);
-          key.push_back(static_cast<int64_t>(l.size()));
-          for (const c10::IValue& x : l) {
-            if (!scalar_word(x, key)) return false;
-          }
-          break;
-        }
-        case VALUE:
-          if (!value_words(v, key)) return false;
-          break;
-        default:
-          return false;
-      }
+      if (!arg_words(i, stack[base + i], key)) return false;
     }
     return true;
+  }
+
+  // The key words of argument `i` (a tensor's: `tensor_arg`), as the stack holds it.
+  bool arg_words(size_t i, const c10::IValue& v, Key& key) const {
+    switch (kinds[i]) {
+      case TENSOR:
+      case OPT_TENSOR:
+        if (v.isNone()) return tensor_arg(kinds[i], at::Tensor(), key);
+        return v.isTensor() && tensor_arg(kinds[i], v.toTensor(), key);
+      case TENSORS: {
+        if (!v.isTensorList()) return false;
+        const auto& l = v.toTensorList();
+        key.push_back(T_LIST);
+        key.push_back(static_cast<int64_t>(l.size()));
+        for (const at::Tensor& t : l) {
+          if (!tensor_words(t, key)) return false;
+        }
+        return true;
+      }
+      case SCALAR:
+        return scalar_word(v, key);
+      case SCALARS: {
+        if (v.isNone()) {
+          key.push_back(T_NONE);
+          return true;
+        }
+        if (!v.isList()) return false;
+        const auto& l = v.toListRef();
+        key.push_back(T_LIST);
+        key.push_back(static_cast<int64_t>(l.size()));
+        for (const c10::IValue& x : l) {
+          if (!scalar_word(x, key)) return false;
+        }
+        return true;
+      }
+      case VALUE:
+        return value_words(v, key);
+      default:
+        return false;
+    }
+  }
+
+  // A tensor argument's key words: None for an absent optional one (C++ callers pass it undefined), a
+  // wrapped number by its dtype, else `tensor_words`.
+  static bool tensor_arg(int kind, const at::Tensor& t, Key& key) {
+    if (!t.defined()) {
+      if (kind != OPT_TENSOR) return false;
+      key.push_back(T_NONE);
+      return true;
+    }
+    if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
+      if (kind != TENSOR) return false;
+      key.push_back(T_WRAPPED);
+      key.push_back(static_cast<int64_t>(t.scalar_type()));
+      return true;
+    }
+    return tensor_words(t, key);
   }
 
   static bool value_words(const c10::IValue& v, Key& key) {
@@ -1154,6 +1159,145 @@ struct OpState final : c10::OperatorKernel {
   }
 };
 
+// ---------------------------------------------------------------------------------------------------
+// Typed kernels: the hit path of the hottest functional ops, called with the op's C++ arguments. A boxed
+// kernel's stack holds a reference to each tensor, and the first reference C++ takes to a tensor Python
+// owns costs a GIL round trip (PyObject preservation), on every call; here nothing is boxed. The key is
+// the one OpState builds from the stack (each argument goes through the IValue boxing would make of it,
+// tensors excepted), so both kernels share one table. A miss, or an entry this path does not run (the
+// Python slow path's, fusion's, a flush owed first), boxes the arguments and calls OpState.
+// ---------------------------------------------------------------------------------------------------
+std::atomic<int64_t> g_typed_executions{0};  // the hits of `executions` typed kernels served
+
+template <class Op, class Sig = typename Op::schema>
+struct Typed;
+
+template <class Op, class... Args>
+struct Typed<Op, at::Tensor(Args...)> final : c10::OperatorKernel {
+  std::unique_ptr<OpState> st;
+  c10::OperatorHandle op;
+
+  Typed(std::unique_ptr<OpState> s, c10::OperatorHandle h) : st(std::move(s)), op(std::move(h)) {}
+
+  at::Tensor operator()(c10::DispatchKeySet ks, Args... args) {
+    Key key;
+    key.reserve(48);
+    size_t i = 0;
+    if ((word(i++, args, key) && ...)) {
+      std::shared_ptr<Entry> e = st->find(key);
+      if (e && !e->queue && !e->python_only && !g_pending.load(std::memory_order_relaxed)) {
+        at::Tensor out;
+        if (run(*e, out, args...)) {
+          g_executions.fetch_add(1, std::memory_order_relaxed);
+          g_typed_executions.fetch_add(1, std::memory_order_relaxed);
+          return out;
+        }
+      }
+    }
+    Stack stack;
+    stack.reserve(sizeof...(Args));
+    (stack.emplace_back(args), ...);
+    (*st)(op, ks, &stack);
+    return std::move(stack.back()).toTensor();
+  }
+
+  bool word(size_t i, const at::Tensor& t, Key& key) const { return OpState::tensor_arg(st->kinds[i], t, key); }
+  bool word(size_t i, const std::optional<at::Tensor>& t, Key& key) const {
+    return OpState::tensor_arg(st->kinds[i], t.has_value() ? *t : at::Tensor(), key);
+  }
+  template <class T>
+  bool word(size_t i, const T& v, Key& key) const { return st->arg_words(i, c10::IValue(v), key); }
+
+  // What the kernel takes for each argument: a neuron tensor's CPU view; anything else as it is.
+  static at::Tensor host(const at::Tensor& t) {
+    return t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number() ? cpu_view(t) : t;
+  }
+  static std::optional<at::Tensor> host(const std::optional<at::Tensor>& t) {
+    return t.has_value() ? std::optional<at::Tensor>(host(*t)) : std::nullopt;
+  }
+  template <class T>
+  static const T& host(const T& v) { return v; }
+
+  // An aoti executable's inputs, in OpState::run's order: the tensors, then the run-time Scalars.
+  void gather(size_t i, const at::Tensor& t, std::vector<at::Tensor>& in, std::vector<c10::IValue>&) const {
+    if (t.defined()) in.push_back(host(t));
+  }
+  void gather(size_t i, const std::optional<at::Tensor>& t, std::vector<at::Tensor>& in,
+              std::vector<c10::IValue>& sc) const {
+    if (t.has_value()) gather(i, *t, in, sc);
+  }
+  template <class T>
+  void gather(size_t i, const T& v, std::vector<at::Tensor>&, std::vector<c10::IValue>& sc) const {
+    if (st->kinds[i] != SCALAR) return;
+    c10::IValue iv(v);
+    if (!iv.isNone()) sc.push_back(std::move(iv));
+  }
+
+  bool run(const Entry& e, at::Tensor& out, const Args&... args) const {
+    try {
+      if (e.aten) {
+        if (!(*e.aten == op)) return false;  // the executable runs another op: OpState's path does that
+        out = op.typed<at::Tensor(Args...)>().redispatch(kCpuKeys, host(args)...);
+      } else if (e.aoti.runner != nullptr) {
+        std::vector<at::Tensor> in, outs;
+        std::vector<c10::IValue> scalars;
+        in.reserve(sizeof...(Args));
+        size_t i = 0;
+        (gather(i++, args, in, scalars), ...);
+        if (!e.aoti.run(std::move(in), scalars, outs) || outs.empty()) return false;
+        out = std::move(outs[0]);
+      } else {
+        return false;
+      }
+    } catch (const std::exception&) {
+      return false;
+    }
+    if (!out.defined()) return false;
+    out = to_neuron_fresh(std::move(out));
+    return true;
+  }
+};
+
+// The ops served typed (functional, one tensor returned; C++ signatures without SymInt).
+#define NEURON_TYPED_OPS(X)                                                                              \
+  X(add_Tensor) X(sub_Tensor) X(mul_Tensor) X(div_Tensor) X(add_Scalar) X(mul_Scalar) X(div_Scalar)        \
+  X(mm) X(bmm) X(addmm) X(gelu) X(gelu_backward) X(relu) X(threshold_backward) X(silu) X(silu_backward)   \
+  X(sigmoid) X(sigmoid_backward) X(tanh) X(tanh_backward) X(exp) X(neg) X(sqrt) X(rsqrt)                 \
+  X(pow_Tensor_Scalar) X(mse_loss) X(mse_loss_backward) X(sum_dim_IntList) X(mean_dim) X(_softmax)        \
+  X(_softmax_backward_data) X(_log_softmax) X(_log_softmax_backward_data) X(where_self) X(maximum)
+
+using TypedRegistrar = bool (*)(std::unique_ptr<OpState>&);
+
+template <class Op>
+bool register_typed(std::unique_ptr<OpState>& st) {
+  using Sig = typename Op::schema;
+  if (st->kinds.size() != c10::guts::infer_function_traits_t<Sig>::number_of_parameters) return false;
+  auto handle = c10::Dispatcher::singleton().findSchema({Op::name, Op::overload_name});
+  if (!handle) return false;
+  // Kept for the process, as torch::Library registrations are (nothing unregisters a compute kernel).
+  static auto* keep = new std::vector<c10::RegistrationHandleRAII>();
+  auto kernel = std::make_unique<Typed<Op>>(std::move(st), *handle);
+  keep->push_back(c10::Dispatcher::singleton().registerImpl(
+      handle->operator_name(), c10::DispatchKey::PrivateUse1,
+      c10::KernelFunction::makeFromUnboxedFunctor<false, Typed<Op>>(std::move(kernel)),
+      c10::impl::CppSignature::make<Sig>(), nullptr, "neuron-runtime typed hit path"));
+  return true;
+}
+
+const std::unordered_map<std::string, TypedRegistrar>& typed_ops() {
+  static const auto* ops = [] {
+    auto* m = new std::unordered_map<std::string, TypedRegistrar>();
+#define NEURON_TYPED_ENTRY(op)                                                                            \
+  m->emplace(std::string(at::_ops::op::name) +                                                            \
+                 (std::string(at::_ops::op::overload_name).empty() ? "" : "." + std::string(at::_ops::op::overload_name)), \
+             &register_typed<at::_ops::op>);
+    NEURON_TYPED_OPS(NEURON_TYPED_ENTRY)
+#undef NEURON_TYPED_ENTRY
+    return m;
+  }();
+  return *ops;
+}
+
 // Run the native queue (fusion.flush calls this when its marker is queued; the GIL is held).
 // `into[k]`: the input the executable writes live result k into, or -1 where it returns it (see
 // fusion._into, whose rule run_queue applies).
@@ -1505,6 +1649,10 @@ void register_compute(const std::string& qualname, std::vector<int> kinds, std::
   state->generation = g_generation.load();
   Quiet quiet;
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  if (mutated < 0 && n_returns == 1 && !returns_list) {
+    auto it = typed_ops().find(qualname);
+    if (it != typed_ops().end() && it->second(state)) return;
+  }
   library().impl(op_name(qualname).c_str(),
                  torch::CppFunction::makeFromBoxedKernel(c10::BoxedKernel::makeFromFunctor(std::move(state))));
 }
@@ -1545,8 +1693,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fusion_counters", &fusion_counters, "the native queue's counters since reset_counters()");
   m.def("set_pending", [](bool pending) { g_pending.store(pending); }, "whether fusion has queued ops");
   m.def("executions", []() { return g_executions.load(); }, "Hits served natively since reset_counters()");
+  m.def("typed_executions", []() { return g_typed_executions.load(); }, "Of those, the hits typed kernels served");
   m.def("reset_counters", []() {
     g_executions.store(0);
+    g_typed_executions.store(0);
     g_q_buffered.store(0);
     g_q_fused_runs.store(0);
     g_q_ops_fused.store(0);

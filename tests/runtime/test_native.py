@@ -289,3 +289,33 @@ def test_a_kept_cpu_view_lives_as_long_as_its_tensor(fresh_runtime: _dispatch.Ru
     assert _hostmem.NATIVE.has_cpu_view(n)
     del n
     assert torch.neuron.memory_allocated() == base  # the view it kept is gone with it
+
+
+@native
+def test_typed_kernels_serve_the_hits_of_every_argument_kind(fresh_runtime: _dispatch.Runtime) -> None:
+    """The hottest ops have typed kernels (no boxing): their hits, through each kind of argument they
+    take, equal CPU's and run natively; a boxed call of the same op (torch.ops) shares their entries."""
+    F = torch.nn.functional
+    x, w, b = torch.randn(6, 5), torch.randn(4, 5), torch.randn(4)
+    y = torch.randn(6, 4)
+    nx, nw, nb, ny = (t.to(DEV) for t in (x, w, b, y))
+    calls = {
+        "tensors and Scalars": lambda x, w, b, y: torch.addmm(b, x, w.t(), beta=0.5, alpha=2.0),
+        "a wrapped number": lambda x, w, b, y: x * 3,
+        "a string": lambda x, w, b, y: F.gelu(x, approximate="tanh"),
+        "an int": lambda x, w, b, y: F.mse_loss(y, y * 2, reduction="sum"),
+        "dims, a flag and a dtype": lambda x, w, b, y: torch.sum(x, dim=[1], keepdim=True, dtype=torch.float64),
+        "no dims": lambda x, w, b, y: torch.sum(x, dim=None),
+        "a bool": lambda x, w, b, y: torch.ops.aten._softmax(x, 1, False),
+    }
+    for what, fn in calls.items():
+        want = fn(x, w, b, y)
+        for _ in range(2):  # compile, learn
+            assert_same(want, fn(nx, nw, nb, ny))
+        before = _hostmem.NATIVE.typed_executions()
+        assert_same(want, fn(nx, nw, nb, ny))
+        assert _hostmem.NATIVE.typed_executions() > before, what
+    before = _hostmem.NATIVE.typed_executions()
+    assert_same(x + y[:, :1], torch.ops.aten.add.Tensor(nx, ny[:, :1]))  # boxed: the Python kernel learns
+    assert_same(x + y[:, :1], nx + ny[:, :1])  # typed: a hit on the entry the boxed call learned
+    assert _hostmem.NATIVE.typed_executions() - before == 1
