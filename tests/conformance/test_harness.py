@@ -10,6 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from neuron_runtime import _dispatch, _shapes
+from neuron_runtime.compiler import CompileRefused
+from neuron_runtime.compiler._reference import ReferenceCompiler
 from neuron_runtime.conformance import _runner
 from neuron_runtime.conformance._check import check_cuda_dtype, check_op, op_key
 from neuron_runtime.conformance._runner import coverage_map, markdown, select
@@ -119,3 +122,34 @@ def test_dtype_summary_counts_families() -> None:
     assert f["half (float16, bfloat16)"]["mismatch"] == 1 and f["bool"]["error"] == 1
     md = markdown(cov)
     assert "## Per dtype" in md and "## CUDA-only dtypes" in md and "| `b` | bool | error |" in md
+
+
+class _NoClasses(ReferenceCompiler):
+    """The reference tier, refusing every shape class (as `aoti` refuses a class export cannot keep generic)."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "test": "no classes"}
+
+    def compile(self, signature: dict[str, Any]) -> bytes:
+        if _shapes.is_class(signature):
+            raise CompileRefused(f"{signature['op']}: export with dynamic dims failed (a test refusal)")
+        return super().compile(signature)
+
+
+def test_ops_compiled_per_shape_are_listed_with_the_reason(add_op: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_NEURONX_SHAPES", "generic")
+    rt = _dispatch.reset_runtime()
+    try:
+        rt.set_compiler(_NoClasses())
+        r = check_op(add_op, k=2, forward_only=True)  # (its first sample is 0-d: no sizes to make symbolic)
+        assert r.status == "compiled", r  # per shape, still through executables
+        assert r.per_shape == {"aten::add.Tensor": "export with dynamic dims failed (a test refusal)"}
+        again = check_op(add_op, k=2, forward_only=True)  # refused classes are remembered: listed once per op
+        assert again.status == "compiled" and again.per_shape == {}
+    finally:
+        monkeypatch.undo()
+        _dispatch.reset_runtime()
+    cov = coverage_map("aoti", {"add": r.as_json(), "mul": {"status": "compiled"}}, [], 1, 1.0)
+    assert cov["summary"]["per_shape"] == 1
+    md = markdown(cov)
+    assert "## Compiled per shape" in md and "| `add` | `aten::add.Tensor` | export with dynamic dims" in md
