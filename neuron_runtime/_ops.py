@@ -318,11 +318,20 @@ def scalar_overload(op: Any, numbers: set[str]) -> Any:
     return op
 
 
+# Functional ops whose composite kernel (CompositeExplicitAutograd, which every backend without a kernel
+# of its own runs) allocates the result and calls the op's out= variant: on neuron that is an out= call,
+# which the hit path does not serve (`abs` took 22 µs through it, 1.3 µs on CPU). Each gets a kernel of
+# its own, so it is one executable like any computed op.
+VIA_OUT = ("aten::abs", "aten::logical_not", "aten::logical_and", "aten::logical_or", "aten::logical_xor",
+           "aten::nan_to_num", "aten::mvlgamma", "aten::polar", "aten::complex", "aten::huber_loss_backward")
+
+
 def cpu_ops() -> list[str]:
-    """Every aten op with a CPU kernel, plus the `_foreach_*` ops: each gets a PrivateUse1 kernel.
+    """Every aten op with a CPU kernel, plus the `_foreach_*` ops and `VIA_OUT`: each gets a PrivateUse1
+    kernel.
 
     The foreach ops have no CPU kernel (CPU runs their composite, which loops over per-tensor ops); on
     our device that loop would pay a dispatch per tensor, so they get one kernel (one executable) each."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     return sorted(n for n in torch._C._dispatch_get_all_op_names()
-                  if n.startswith("aten::") and (has(n, "CPU") or n.startswith("aten::_foreach_")))
+                  if n.startswith("aten::") and (has(n, "CPU") or n.startswith("aten::_foreach_") or n in VIA_OUT))
