@@ -349,8 +349,8 @@ inline bool tensor_words(const at::Tensor& t, Key& key) {
   auto sizes = impl->sizes();
   auto strides = impl->strides();
   key.push_back(static_cast<int64_t>(sizes.size()));
-  key.insert(key.end(), sizes.begin(), sizes.end());
-  key.insert(key.end(), strides.begin(), strides.end());
+  for (int64_t v : sizes) key.push_back(v);  // (a loop: ranges this short cost more through insert)
+  for (int64_t v : strides) key.push_back(v);
   return true;
 }
 
@@ -1180,8 +1180,9 @@ struct Typed<Op, at::Tensor(Args...)> final : c10::OperatorKernel {
   Typed(std::unique_ptr<OpState> s, c10::OperatorHandle h) : st(std::move(s)), op(std::move(h)) {}
 
   at::Tensor operator()(c10::DispatchKeySet ks, Args... args) {
-    Key key;
-    key.reserve(48);
+    // One key buffer per thread: nothing between building the key and the lookup calls another kernel.
+    thread_local Key key;
+    key.clear();
     size_t i = 0;
     if ((word(i++, args, key) && ...)) {
       std::shared_ptr<Entry> e = st->find(key);
