@@ -8,7 +8,11 @@
    batch with `opt.step` compiled too (on both compiled sides).
 2. Warm start: a second process on a warm local tier (the first one compiles): compiles it ran, and the
    first compiled step's time after `import torch` returned (Dynamo + AOTAutograd tracing, keying,
-   loading). Beside it, Inductor's own FX graph cache warm start for the same model, measured the same way.
+   loading). Beside it, Inductor's own FX graph cache warm start for the same model, measured the same way,
+   and two floors no backend can go below on this host: `backend="eager"` (importing Dynamo and tracing,
+   then the captured graph run as it is) and `"aot_eager"` (the same plus AOTAutograd's forward/backward
+   tracing), both on CPU tensors; `import_dynamo_s` is what the first `torch.compile` call's import of
+   `torch._dynamo` cost in that process.
 
     python benchmarks/compile.py [--tier reference|aoti] [--steps N] [--rounds R] [--cache-dir DIR]
 
@@ -98,11 +102,15 @@ t_imported = time.perf_counter()
 torch.set_num_threads(1)
 backend, name = sys.argv[1], sys.argv[2]
 device = "neuron" if backend == "neuron" else "cpu"
+t0 = time.perf_counter()
+import torch._dynamo  # what torch.compile imports on its first call anyway: timed on its own
+import_dynamo = time.perf_counter() - t0
 step, losses = step_fn(MAKERS[name], device, backend)
 step()
 first = time.perf_counter() - t_imported
 t0 = time.perf_counter(); step(); second = time.perf_counter() - t0
-res = {"first_step_s": round(first, 3), "second_step_s": round(second, 4), "loss": losses[0]}
+res = {"first_step_s": round(first, 3), "import_dynamo_s": round(import_dynamo, 3),
+       "second_step_s": round(second, 4), "loss": losses[0]}
 if backend == "neuron":
     import neuron_runtime
     s = neuron_runtime.stats()
@@ -142,7 +150,7 @@ def main() -> int:
     if args.skip != "warm":
         warm: dict[str, object] = {}
         for name in ("mlp", "transformer_block"):
-            for backend in ("neuron", "inductor"):
+            for backend in ("neuron", "inductor", "eager", "aot_eager"):
                 _child(WARM, [backend, name], env)  # fills the caches (a no-op once they are warm)
                 warm[f"{name}/{backend}"] = _child(WARM, [backend, name], env)
         report["warm_start"] = warm

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import _dispatch, _graph
+from . import _dispatch, _graph, _hostmem
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,12 @@ def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: st
 def _aot(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
     from torch._dynamo.backends.common import aot_autograd
 
+    # keep_inference_input_mutations: an inference graph (an optimizer step) keeps its input mutations as
+    # `copy_` nodes, which its executable performs in place (`GraphPlan.writes`); without it AOTAutograd
+    # copies each updated parameter and moment back itself, one neuron op per tensor after every call.
     return aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
-                        inference_compiler=_compiler("inference"))(gm, example_inputs)
+                        inference_compiler=_compiler("inference"),
+                        keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def _symbolic(v: Any) -> bool:
@@ -120,6 +124,7 @@ class CompiledGraph:
         self.gm = gm
         self.kind = kind
         self.exe: Any = None
+        self.native: Any = None  # the executable behind the native runner (_hostmem.NATIVE.GraphRunner)
         self.refused: str | None = None
         self.plan: _graph.GraphPlan | None = None
         self.key = ""
@@ -155,6 +160,7 @@ class CompiledGraph:
             if self.exe is not None:
                 log.info("graph %s %s: executable %s (%d ops)", self.kind, self.key[:12], "ready",
                          self.plan.n_ops)
+                self.native = _native_runner(self.exe, self.plan)
 
     def __call__(self, args: list[Any]) -> Any:
         plan = self.plan
@@ -164,6 +170,12 @@ class CompiledGraph:
             out = [args[v] if how == "in" else v for how, v in plan.outputs]
             args.clear()
             return out
+        native = self.native
+        if native is not None:
+            out = native(args)
+            if out is not None:
+                _bump("graph_executions")
+                return out
         if self.exe is None:
             self._resolve()
             if self.exe is None:
@@ -180,9 +192,11 @@ class CompiledGraph:
         alias, wrap = _dispatch.alias, _dispatch.wrap
         ins = [alias(t) if t.device.type == "neuron" else t for t in (args[p] for p in plan.inputs)]
         outs = self.exe(ins, ())
-        # Input mutations (an optimizer's parameters and moments): copied on the host, into the inputs'
-        # CPU views (one native copy each instead of a neuron op each), and their version counters
-        # bumped as the in-place op would have.
+        # Input mutations (an optimizer's parameters and moments): the executable wrote those the graph
+        # reads (`plan.writes`); the others are copied on the host, into the inputs' CPU views. Version
+        # counters are bumped as the in-place op would have.
+        for p in plan.writes:
+            _bump_version(args[p])
         for p, i in plan.copies:
             t = args[p]
             if t.device.type == "neuron":
@@ -207,6 +221,15 @@ class CompiledGraph:
 
 
 _bump_version = torch.autograd.graph.increment_version
+_OUTPUT_KINDS = {"x": 0, "in": 1, "const": 2}
+
+
+def _native_runner(exe: Any, plan: _graph.GraphPlan) -> Any:
+    """`_run` in C++ (one call: CPU views in, relabelled results out), or None without the native layer."""
+    if _hostmem.NATIVE is None:
+        return None
+    outputs = [(_OUTPUT_KINDS[how], v if how != "const" else 0) for how, v in plan.outputs]
+    return _hostmem.NATIVE.GraphRunner(exe, plan.inputs, plan.copies, plan.writes, outputs, plan.on_device)
 
 
 def stats() -> dict[str, int]:

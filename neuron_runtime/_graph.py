@@ -38,7 +38,11 @@ class GraphPlan:
     `inputs`: the placeholder index feeding each executable input `e{i}`. `outputs`: per graph output,
     ("x", i) the executable's output i, ("in", p) placeholder p itself, ("const", v) a constant (None).
     `on_device`: per executable output, whether it is a neuron tensor (else it stays on CPU).
-    `copies`: (placeholder, executable output) pairs for input mutations the graph writes back (`copy_`)."""
+    Input mutations (`copy_` into a placeholder, an optimizer's parameters and moments): `writes`, the
+    placeholders the executable writes in place itself (the signature's `into`, as a fused group's: the
+    kernel stores the new values into the input's buffer, no result and no copy), used for every input the
+    graph also reads; `copies`, (placeholder, executable output) pairs the caller copies back, for an input
+    the graph only writes (an executable input needs a slot that describes it)."""
 
     signature: dict[str, Any]
     inputs: list[int]
@@ -46,6 +50,7 @@ class GraphPlan:
     on_device: list[bool]
     copies: list[tuple[int, int]]
     n_ops: int
+    writes: list[int] = dataclasses.field(default_factory=list)
 
 
 _INFOS: dict[str, _ops.OpInfo] = {}
@@ -97,6 +102,7 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
     produced: dict[torch.fx.Node, tuple[int, int]] = {}  # node -> (op index, output index)
     nodes: list[dict[str, Any]] = []
     copies: list[tuple[int, torch.fx.Node]] = []
+    written: dict[torch.fx.Node, int] = {}  # a `copy_` into a placeholder -> that placeholder
     ops: list[str] = []
 
     def wire(v: torch.fx.Node, where: str) -> tuple[list[Any], dict[str, Any]]:
@@ -136,6 +142,7 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
             # An input mutation AOTAutograd kept in the graph: the executable returns the new value,
             # the caller writes it into the input (as eager would, in place).
             copies.append((placeholders[node.args[0]], node.args[1]))
+            written[node] = placeholders[node.args[0]]  # `copy_` returns its input: `s.add_(x)` returns s
             continue
         info = _info(target)
         if info.kind == "mutating" or any(a.mutable for a in info.args):
@@ -199,16 +206,27 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
             outputs.append(("const", None))
         elif isinstance(v, torch.fx.Node) and v in placeholders:
             outputs.append(("in", placeholders[v]))
+        elif isinstance(v, torch.fx.Node) and v in written:
+            outputs.append(("in", written[v]))
         elif isinstance(v, torch.fx.Node) and v in produced:
             outputs.append(("x", result(v)))
         else:
             raise GraphRefused(f"graph output {v} is not a tensor the graph computes")
     plan_copies: list[tuple[int, int]] = []
+    writes: list[int] = []
+    into: list[list[Any]] = []
     for p, src in copies:
         if src in placeholders:
             raise GraphRefused("an input is overwritten by another input")
         if src not in produced:
             raise GraphRefused(f"input {p} is overwritten by {src}, which is not compiled")
-        plan_copies.append((p, result(src)))
-    sig = {"op": f"graph:{kind}", "graph": nodes, "outputs": results}
-    return GraphPlan(sig, ext_order, outputs, on_device, plan_copies, len(nodes))
+        if p in ext:  # read by the graph too: written in place by the executable
+            j, k = produced[src]
+            into.append([j if k == 0 else [j, k], ext[p]])
+            writes.append(p)
+        else:
+            plan_copies.append((p, result(src)))
+    sig: dict[str, Any] = {"op": f"graph:{kind}", "graph": nodes, "outputs": results}
+    if into:
+        sig["into"] = into
+    return GraphPlan(sig, ext_order, outputs, on_device, plan_copies, len(nodes), writes)

@@ -416,11 +416,15 @@ c10::Scalar wrapped_value(const at::Tensor& t) {
 // flat shape class (neuron_runtime/_shapes.py, the rank-collapse rule), a 1-D kernel called on 1-D views
 // of the inputs (which all have the same sizes and dense strides), its outputs viewed back with the first
 // input's sizes and strides; inputs already 1-D and contiguous are passed as they are.
+// `written`: an in-place kernel's inputs it stores into (compiler/_aoti.py, `_InPlace`); it was compiled
+// for inputs that do not overlap, so a call where one of them shares a byte with another input does not
+// run here (`overlaps`): the Python executable runs the in-place aten op on the host for it.
 struct AotiCall {
   torch::inductor::AOTIModelContainerRunner* runner = nullptr;
   std::vector<c10::ScalarType> scalar_dtypes;
   std::vector<std::pair<size_t, c10::ScalarType>> wrapped;
   bool flat = false;
+  std::vector<size_t> written;
 
   // Read from the executable; stays unset (runner null) for anything else, e.g. a runner type this
   // build does not know: the holder then calls the executable from Python.
@@ -436,9 +440,43 @@ struct AotiCall {
         wrapped.emplace_back(pair[0].cast<size_t>(), reinterpret_cast<THPDtype*>(pair[1].ptr())->scalar_type);
       }
       if (t.size() > 3) flat = t[3].cast<bool>();
+      if (t.size() > 4) written = t[4].cast<std::vector<size_t>>();
     } catch (const std::exception&) {
       *this = AotiCall();
     }
+  }
+
+  // Whether a written input shares a byte with another input (or is written twice): each tensor's byte
+  // span, sorted by start, swept once (compiler/_aoti.py's `writes_overlap`, the same rule).
+  bool overlaps(const std::vector<at::Tensor>& in) const {
+    struct Span { uintptr_t a, b; bool w; };
+    std::vector<Span> spans;
+    spans.reserve(in.size());
+    std::vector<bool> is_written(in.size(), false);
+    for (size_t i : written) {
+      if (i >= in.size()) return true;  // not the call the artifact was made for
+      is_written[i] = true;
+    }
+    for (size_t i = 0; i < in.size(); ++i) {
+      const at::Tensor& t = in[i];
+      if (t.numel() == 0) continue;
+      int64_t lo = 0, hi = 0;
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        const int64_t ext = (t.size(d) - 1) * t.stride(d);
+        if (ext < 0) lo += ext; else hi += ext;
+      }
+      const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+      const int64_t e = static_cast<int64_t>(t.element_size());
+      spans.push_back({p + lo * e, p + (hi + 1) * e, is_written[i]});
+    }
+    std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.a < y.a; });
+    uintptr_t end_any = 0, end_written = 0;
+    for (const Span& sp : spans) {
+      if (sp.a < end_written || (sp.w && sp.a < end_any)) return true;
+      end_any = std::max(end_any, sp.b);
+      if (sp.w) end_written = std::max(end_written, sp.b);
+    }
+    return false;
   }
 
   // `in`: the CPU tensors (wrapped numbers as they came); false if the call does not fit the artifact.
@@ -454,6 +492,7 @@ struct AotiCall {
     for (const at::Tensor& t : in) {
       if (t.unsafeGetTensorImpl()->is_wrapped_number()) return false;  // a slot the artifact does not know
     }
+    if (!written.empty() && overlaps(in)) return false;
     at::Tensor first;  // flat: the input the outputs take their sizes and strides from
     if (flat) {
       for (at::Tensor& t : in) {
@@ -1343,6 +1382,96 @@ std::shared_ptr<GroupExe> group_exe(py::handle exe) {
   return g;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// torch.compile graphs (neuron_runtime/_compile.py, `GraphPlan`): a graph's executable called with one
+// Python call instead of a CPU view and a relabel in Python per tensor (about 40 us a call for the MLP's
+// forward graph). `inputs[i]`: the placeholder feeding executable input i (a neuron tensor goes in as
+// its CPU view, a CPU tensor as it is); `copies`: (placeholder, executable output) pairs, the input
+// mutations copied back into the inputs' memory; `writes`: the placeholders the executable wrote in
+// place itself (the graph's `into`); each mutated input's version counter is bumped as the in-place op
+// would; `outputs`: per graph output, (0, v) the executable's output v, (1, p) placeholder p
+// itself, (2, _) None; `on_device[v]`: whether executable output v becomes a neuron tensor (else it stays
+// on CPU, where AOTAutograd placed it). Called with the GIL; the executable runs without it.
+// ---------------------------------------------------------------------------------------------------
+struct GraphRunner {
+  AotiCall aoti;
+  py::object exe;
+  std::vector<int64_t> inputs;
+  std::vector<std::pair<int64_t, int64_t>> copies;
+  std::vector<int64_t> writes;
+  std::vector<std::pair<int, int64_t>> outputs;
+  std::vector<bool> on_device;
+
+  GraphRunner(py::object e, std::vector<int64_t> in, std::vector<std::pair<int64_t, int64_t>> cp,
+              std::vector<int64_t> wr, std::vector<std::pair<int, int64_t>> out, std::vector<bool> dev)
+      : exe(std::move(e)), inputs(std::move(in)), copies(std::move(cp)), writes(std::move(wr)),
+        outputs(std::move(out)), on_device(std::move(dev)) {
+    aoti.read(exe);
+  }
+
+  static at::Tensor arg(const py::list& args, int64_t p) {
+    PyObject* o = PyList_GetItem(args.ptr(), p);  // borrowed
+    if (o == nullptr) throw python_error();
+    if (!THPVariable_Check(o)) throw std::invalid_argument("a torch.compile graph input is not a tensor");
+    return THPVariable_Unpack(o);
+  }
+
+  // The graph's outputs, or None when this runner cannot make the call (the caller's Python path does).
+  py::object call(const py::list& args) {
+    if (g_pending.load()) flush_queued("torch.compile graph");
+    std::vector<at::Tensor> in;
+    in.reserve(inputs.size());
+    for (int64_t p : inputs) {
+      at::Tensor t = arg(args, p);
+      in.push_back(t.device().type() == c10::DeviceType::PrivateUse1 ? cpu_view(t) : std::move(t));
+    }
+    std::vector<at::Tensor> outs;
+    if (aoti.runner != nullptr) {
+      py::gil_scoped_release nogil;
+      if (!aoti.run(std::move(in), {}, outs)) return py::none();
+    } else {
+      py::list tensors, scalars;
+      for (at::Tensor& t : in) tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t))));
+      if (!call_exe(exe.ptr(), tensors, scalars, outs)) return py::none();
+    }
+    for (const auto& [p, i] : copies) {
+      if (i < 0 || static_cast<size_t>(i) >= outs.size()) return py::none();
+    }
+    for (int64_t p : writes) arg(args, p).unsafeGetTensorImpl()->bump_version();
+    for (const auto& [p, i] : copies) {
+      at::Tensor t = arg(args, p);
+      if (t.device().type() == c10::DeviceType::PrivateUse1) {
+        cpu_view(t).copy_(outs[i]);
+        t.unsafeGetTensorImpl()->bump_version();
+      } else {
+        t.copy_(outs[i]);
+      }
+    }
+    std::vector<py::object> made(outs.size());  // a result returned twice is one tensor, as in the graph
+    py::list result(outputs.size());
+    for (size_t k = 0; k < outputs.size(); ++k) {
+      const auto& [kind, v] = outputs[k];
+      py::object o;
+      if (kind == 0) {
+        if (v < 0 || static_cast<size_t>(v) >= outs.size()) throw std::out_of_range("graph output index");
+        if (!made[v]) {
+          at::Tensor x = std::move(outs[v]);
+          if (on_device[v]) x = to_neuron_fresh(std::move(x));
+          made[v] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(x)));
+        }
+        o = made[v];
+      } else if (kind == 1) {
+        o = py::reinterpret_borrow<py::object>(PyList_GetItem(args.ptr(), v));
+      } else {
+        o = py::none();
+      }
+      PyList_SET_ITEM(result.ptr(), k, o.release().ptr());
+    }
+    if (PyList_SetSlice(args.ptr(), 0, PyList_GET_SIZE(args.ptr()), nullptr) != 0) throw python_error();
+    return std::move(result);
+  }
+};
+
 void run_queue() {
   std::vector<QNode> nodes;
   nodes.swap(g_queue);
@@ -1690,6 +1819,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("clear", &clear);
   m.def("set_fusion", &set_fusion, "fusion's flush(reason), _native_started(), _flush_from_native(nodes, "
         "live) and buffer limit; Nones when fusion is off");
+  py::class_<GraphRunner>(m, "GraphRunner", "A torch.compile graph's executable called natively (_compile.py)")
+      .def(py::init<py::object, std::vector<int64_t>, std::vector<std::pair<int64_t, int64_t>>,
+                    std::vector<int64_t>, std::vector<std::pair<int, int64_t>>, std::vector<bool>>())
+      .def("__call__", &GraphRunner::call)
+      .def_property_readonly("native_aoti", [](const GraphRunner& g) { return g.aoti.runner != nullptr; });
   m.def("run_queue", &run_queue, "run the native fusion queue (fusion.flush does)");
   m.def("fusion_counters", &fusion_counters, "the native queue's counters since reset_counters()");
   m.def("set_pending", [](bool pending) { g_pending.store(pending); }, "whether fusion has queued ops");

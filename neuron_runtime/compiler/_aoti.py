@@ -91,11 +91,12 @@ class ArtifactMismatch(RuntimeError):
 class AotiCompiler(Compiler):
     name = "aoti"
     format_version = 1
-    # In-place executables (`writes_inputs`, compiler._base) are not built here yet: mutating ops compile
-    # their functional variant and the runtime copies the results back. What it would take: export
-    # `build_call` of the functional op followed by `T[i].copy_(result)` for each mutated input, as a fused
-    # group's `into` already does (AOTInductor then writes those inputs' buffers), and a self-check that
-    # compares what was written; see docs/compilers.md.
+    # In-place executables (`writes_inputs`, compiler._base) for ops that write tensor lists (`_foreach_*_`):
+    # the functional op followed by a `copy_` into each mutated input is exported, as a fused group's
+    # `into`, and AOTInductor stores the results into those inputs' buffers: no fresh results, no copy
+    # back. The kernel assumes its inputs do not overlap; a call whose written tensors overlap another
+    # argument runs the in-place aten op on the host instead (`_InPlace`).
+    writes_inputs = True
 
     def __init__(self, march: str | None = None, simdlen: int | None = None,
                  local_cache_dir: str | None = None) -> None:
@@ -145,6 +146,11 @@ class AotiCompiler(Compiler):
             flat = graph_inputs(exact)
             others = [graph_inputs(_shapes.other_instance(cls))] if cls is not None else []
             dynamic = _dynamic_dims(graph_inputs(cls)) if cls is not None else None
+        elif exact.get("writes"):  # in place: the functional op, its results stored into the inputs
+            run, into = _in_place_call(exact)
+            flat = exact
+            others = [_shapes.other_instance(cls)] if cls is not None else []
+            dynamic = _dynamic_dims(cls) if cls is not None else None
         else:
             op = _resolve(qualname)
             _check_scalar_schema(qualname, op, exact)
@@ -173,6 +179,8 @@ class AotiCompiler(Compiler):
             log.debug("aoti: while compiling %s: %s", qualname, w.message)
         meta = {"format": ARTIFACT_FORMAT, "fingerprint": fp, "signature": signature,
                 "n_tensors": n_tensors, "scalar_types": scalar_types, "wrapped": wrapped_slots(flat)}
+        if exact.get("writes"):
+            meta["writes_at"] = into  # the tensor inputs the kernel stores into (`_InPlace`)
         payload = _repackage(qualname, raw, meta, str(scratch.tmp))
         if cls is not None and _shapes.is_flat(cls):
             # the shape it was made from: the flat views and the views back
@@ -265,12 +273,109 @@ class AotiCompiler(Compiler):
         flat = _shapes.is_flat(meta["signature"])
         if flat:
             exe = _flat_executable(exe)
+        writes_at = [int(i) for i in meta.get("writes_at", [])]
+        if writes_at:
+            exe = _InPlace(exe, writes_at, meta["signature"])
         # How the native hit path calls the runner itself: tensors, then each run-time Scalar as a 0-d
         # tensor of these dtypes; numbers in tensor slots (by index) as 0-d tensors of theirs; and whether
         # the kernel is a flat class's (inputs viewed 1-D, outputs viewed back).
+        # And for an in-place kernel, the inputs it stores into (the native path checks they overlap
+        # nothing else before it calls the runner, as `_InPlace` does).
         exe.__neuron_aoti__ = (loader, [_SCALAR_DTYPES[t] for t in meta["scalar_types"]],  # type: ignore[attr-defined]
-                               [(i, _WRAPPED_DTYPES[d]) for i, d in wrapped], flat)
+                               [(i, _WRAPPED_DTYPES[d]) for i, d in wrapped], flat, writes_at)
         return exe
+
+
+# -- in-place executables --------------------------------------------------------------------------
+def _in_place_call(signature: dict[str, Any]) -> tuple[Executable, list[int]]:
+    """The executable `_export` traces for an in-place signature (`"writes"`: the mutated arguments): the
+    op's functional variant, then each result stored into the list element it updates; and the indices,
+    in the tensor inputs, of the elements it stores into."""
+    qualname = signature["op"]
+    functional = _ops.classify(qualname, special=False).functional
+    if functional is None:
+        raise CompileRefused(f"{qualname}: no functional variant to compile in place")
+    fop = _resolve(functional.qualname)
+    fsig = {k: v for k, v in signature.items() if k != "writes"}
+    fsig["op"] = functional.qualname
+    _check_scalar_schema(functional.qualname, fop, fsig)
+    call = build_call(fsig, _per_element(functional.qualname, fop, fsig) or fop, wrapped_as_tensors=True)
+    # Where each written argument's tensors sit among the tensor inputs (build_call's numbering).
+    at: dict[str, list[int]] = {}
+    ti = 0
+    for name, kind, desc in signature["args"]:
+        n = 1 if kind == _ops.TENSOR or (kind == _ops.OPT_TENSOR and desc is not None) else \
+            sum(d is not None for d in desc) if kind in (_ops.TENSORS, _ops.OPT_TENSORS) else 0
+        at[name] = list(range(ti, ti + n))
+        ti += n
+    groups = [at[name] for name in signature["writes"]]
+    if any(not g for g in groups):
+        raise CompileRefused(f"{qualname}: a written argument holds no tensor")
+    several = len(groups) > 1
+
+    def run(T: Any, S: Any) -> list[Any]:
+        res = call(T, S)
+        for k, idx in enumerate(groups):
+            outs = res[k] if several else res
+            if len(outs) != len(idx):
+                raise CompileRefused(f"{qualname}: the functional variant returns {len(outs)} results "
+                                     f"for {len(idx)} written tensors")
+            for i, o in zip(idx, outs):
+                T[i].copy_(o)
+        return []
+
+    return run, [i for g in groups for i in g]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes a strided tensor may touch: [first, last + 1), or None for an empty one."""
+    if t.numel() == 0:
+        return None
+    lo = hi = 0
+    for n, st in zip(t.shape, t.stride()):
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    p, e = t.data_ptr(), t.element_size()
+    return p + lo * e, p + (hi + 1) * e
+
+
+def writes_overlap(tensors: Sequence[Any], written: Sequence[int]) -> bool:
+    """Whether a tensor the call writes shares a byte with any other tensor argument (or one written twice:
+    the same tensor twice in a list). The native layer applies the same rule (`AotiCall::overlaps`)."""
+    w = set(written)
+    spans = sorted((*sp, i in w) for i, t in enumerate(tensors)
+                   if isinstance(t, torch.Tensor) and (sp := _span(t)) is not None)
+    end_any = end_written = -1
+    for a, b, is_written in spans:
+        if a < end_written or (is_written and a < end_any):
+            return True
+        end_any = max(end_any, b)
+        if is_written:
+            end_written = max(end_written, b)
+    return False
+
+
+class _InPlace:
+    """An in-place kernel's executable: returns [] having written its inputs (`compiler._base`). The kernel
+    was compiled for inputs that do not overlap; a call whose written tensors overlap another argument
+    (`_foreach_add_(xs, xs)`, the same tensor twice in a list) is the in-place aten op on the host, which
+    gives eager's answer for any aliasing."""
+
+    __neuron_inplace__ = True
+
+    def __init__(self, inner: Executable, written: list[int], signature: dict[str, Any]) -> None:
+        self.inner = inner
+        self.written = written
+        self.loader = getattr(inner, "loader", None)  # keeps the .so alive with the executable
+        self.host = build_call(signature, _resolve(signature["op"]))
+
+    def __call__(self, tensors: Sequence[Any], scalars: Sequence[Any]) -> list[torch.Tensor]:
+        if writes_overlap(tensors, self.written):
+            return list(self.host(list(tensors), scalars))
+        self.inner(tensors, scalars)
+        return []
 
 
 # -- compile steps ----------------------------------------------------------------------------------

@@ -66,7 +66,31 @@ def device_run(aoti_root: Path) -> Iterator[subprocess.Popen[str]]:
                 assert z.shape == t.shape and z.stride() == t.stride(), (z.shape, z.stride())
                 torch.testing.assert_close(z.cpu(), t.cpu() * 2)
         assert neuron_runtime.stats()["compiles"] == compiled
-        print(json.dumps(neuron_runtime.stats()))
+        # An in-place foreach op (an optimizer's update): its kernel stores into the tensors themselves,
+        # natively from the second call on; calls whose written tensors overlap another argument run the
+        # in-place op on the host instead, and every call equals CPU's.
+        from neuron_runtime import _hostmem
+        base = [torch.randn(5, 3, device="cpu"), torch.randn(7, device="cpu")]
+        other = [torch.randn(5, 3, device="cpu"), torch.randn(7, device="cpu")]
+        def check(fn, xs, ys):
+            want = [t.clone() for t in xs]
+            fn(want, [t.clone() for t in ys])
+            got = [t.to("neuron") for t in xs]
+            fn(got, [t.to("neuron") for t in ys])
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
+        native = _hostmem.NATIVE.executions() if _hostmem.NATIVE is not None else 0
+        for _ in range(4):
+            check(torch._foreach_mul_, base, other)
+        inplace_native = (_hostmem.NATIVE.executions() if _hostmem.NATIVE is not None else 0) - native
+        in_place_compiles = neuron_runtime.stats()["compiles"] - compiled
+        check(lambda xs, ys: torch._foreach_mul_(xs, xs), base, other)       # each written tensor read too
+        check(lambda xs, ys: torch._foreach_mul_([xs[0], xs[0]], [ys[0], ys[0]]), base, other)  # written twice
+        buf = torch.arange(24.0, device="cpu")
+        check(lambda xs, ys: torch._foreach_mul_([xs[0][:15].view(5, 3), xs[0][9:16]], ys), [buf], other)
+        stats = neuron_runtime.stats()
+        stats["in_place"] = {"native": inplace_native, "compiles": in_place_compiles}
+        print(json.dumps(stats))
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
     env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync",

@@ -336,6 +336,39 @@ def test_device_end_to_end(device_run: subprocess.Popen[str]) -> None:
     assert stats["compiles"] >= 1 and not stats["fallback_ops"], stats
 
 
+def test_in_place_foreach_kernel_writes_the_tensors_and_never_runs_on_overlapping_ones(
+        device_run: subprocess.Popen[str]) -> None:
+    """`_foreach_mul_` on `aoti`: one in-place kernel (no results to copy back), served natively after its
+    first call; the same tensor twice, a written tensor read as the other argument, and overlapping views
+    of one buffer all equal CPU exactly (those calls run the in-place op on the host)."""
+    out, err = device_run.communicate(timeout=600)
+    assert device_run.returncode == 0, err[-3000:]
+    stats = json.loads(out.strip().splitlines()[-1])
+    ip = stats["in_place"]
+    assert ip["compiles"] == 1, ip  # the aliasing calls' values are checked in the process itself
+    assert not stats["fallback_ops"], stats["fallback_ops"]
+    from neuron_runtime import _hostmem
+    if _hostmem.NATIVE is not None:
+        assert ip["native"] >= 2, ip  # calls 3 and 4 (the second one teaches the native table)
+
+
+def test_writes_overlap_finds_every_shared_byte() -> None:
+    """The rule `_InPlace` and the native layer apply before an in-place kernel runs."""
+    from neuron_runtime.compiler._aoti import writes_overlap
+
+    buf = torch.arange(32.0)
+    a, b = torch.zeros(4), torch.zeros(4)
+    assert not writes_overlap([a, b], [0])
+    assert not writes_overlap([a, b, b], [0])              # read twice, written once: fine
+    assert writes_overlap([a, a], [0])                      # written and read
+    assert writes_overlap([a, b, a], [0, 2])                # written twice
+    assert not writes_overlap([buf[:8], buf[8:16]], [0, 1])  # disjoint views of one buffer
+    assert writes_overlap([buf[:9], buf[8:16]], [0])        # one shared element
+    assert writes_overlap([buf.view(4, 8)[:, 0], buf[9:10]], [1])  # a strided span covers it
+    assert not writes_overlap([buf.view(4, 8)[:, 0], torch.zeros(0)], [0, 1])  # empty
+    assert not writes_overlap([2.5, a], [1])                # numbers are not memory
+
+
 def _fusion_child(case: str, cache: Path) -> dict[str, Any]:
     """tests/runtime/fusion_child.py's `case` with fusion on, on `aoti` (sync compiles, groups fused from
     their second sighting, any size), over the local cache `cache`: its JSON report."""

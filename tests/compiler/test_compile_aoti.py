@@ -1,6 +1,7 @@
 """torch.compile(backend="neuron") on the `aoti` tier: a graph becomes one real AOTInductor package.
 
-One compile (an inference graph), shared by the checks of this module."""
+One compile (an inference graph that also updates one of its inputs in place), shared by the checks of
+this module."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from neuron_runtime import _dispatch
 DEV = "neuron"
 
 
-def _f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.gelu(x @ w).sum(1) * 0.5
+def _f(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    y = torch.nn.functional.gelu(x @ w)
+    s.mul_(0.9).add_(y.sum(0))  # an input mutation (optimizer-state style): the kernel stores it in place
+    return y.sum(1) * 0.5
 
 
 @pytest.fixture(scope="module")
@@ -31,24 +34,34 @@ def graph_run(aoti_root: Path) -> Iterator[dict[str, Any]]:
             _dispatch.reset_runtime()
             torch._dynamo.reset()
             x, w = torch.randn(6, 8), torch.randn(8, 5).t().contiguous().t()  # w non-contiguous
+            s = torch.randn(5)
+            s_dev = s.to(DEV)
+            version = s_dev._version
             with torch.no_grad():
-                got = torch.compile(_f, backend="neuron")(x.to(DEV), w.to(DEV)).cpu()
+                got = torch.compile(_f, backend="neuron")(x.to(DEV), w.to(DEV), s_dev).cpu()
             first = neuron_runtime.stats()
             # Another start on the warm local tier: load, no compile.
             _dispatch.reset_runtime()
             torch._dynamo.reset()
+            s_again = s.to(DEV)
             with torch.no_grad():
-                again = torch.compile(_f, backend="neuron")(x.to(DEV), w.to(DEV)).cpu()
-            yield {"x": x, "w": w, "got": got, "again": again, "first": first, "second": neuron_runtime.stats(),
-                   "local": aoti_root / "neff-graph"}
+                again = torch.compile(_f, backend="neuron")(x.to(DEV), w.to(DEV), s_again).cpu()
+            yield {"x": x, "w": w, "s": s, "got": got, "again": again, "first": first,
+                   "second": neuron_runtime.stats(), "local": aoti_root / "neff-graph",
+                   "s_dev": s_dev.cpu(), "s_again": s_again.cpu(), "bumped": s_dev._version > version}
     finally:  # after the environment is restored: reset_runtime reads it
         torch._dynamo.reset()
         _dispatch.reset_runtime()
 
 
 def test_graph_is_one_aoti_executable_equal_to_eager(graph_run: dict[str, Any]) -> None:
-    want = _f(graph_run["x"], graph_run["w"])
+    s = graph_run["s"].clone()
+    want = _f(graph_run["x"], graph_run["w"], s)
     torch.testing.assert_close(graph_run["got"], want, rtol=1e-4, atol=1e-4)
+    # the input the graph updates: written by the executable into the neuron tensor's memory
+    torch.testing.assert_close(graph_run["s_dev"], s, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(graph_run["s_again"], s, rtol=1e-4, atol=1e-4)
+    assert graph_run["bumped"]  # as the in-place op would have
     first = graph_run["first"]
     assert first["compiler"] == "aoti"
     assert first["compiles_by_kind"]["graph"] == 1 and first["graphs"]["graph_executions"] == 1
@@ -76,5 +89,7 @@ def test_graph_entry_is_an_aoti_package(graph_run: dict[str, Any]) -> None:
         if entry.header["signature"]["op"].startswith("graph:"):
             graphs.append(entry)
     assert len(graphs) == 1
+    # the input mutation is part of the kernel (`into`), not a result copied back
+    assert graphs[0].header["signature"]["into"], graphs[0].header["signature"]
     with zipfile.ZipFile(io.BytesIO(graphs[0].payload)) as z:  # one .pt2 holding the whole graph's .so
         assert sum(n.endswith(".so") for n in z.namelist()) == 1

@@ -134,10 +134,21 @@ def test_input_mutation_mixed_cpu_and_non_contiguous_inputs(fresh_runtime: _disp
     x_n = x_n.to(DEV)[:, ::2]
     assert not x_n.is_contiguous()
     cf = torch.compile(f, backend="neuron")
+    version = state_n._version
     got = cf(state_n, x_n, bias)
     torch.testing.assert_close(got.cpu(), want)
     torch.testing.assert_close(state_n.cpu(), state_c * 0.5 + x_c)
+    assert state_n._version > version  # autograd sees the update, as with the in-place ops
     assert neuron_runtime.stats()["graphs"]["graph_executions"] == 1
+    # The executable writes `state` itself (the graph's `into`), so nothing is copied back after it;
+    # a CPU input updated in a graph is written the same way.
+    state_cpu = state_c.clone()
+    cg = torch.compile(lambda s, x: s.add_(x.sum().cpu()), backend="neuron")
+    version = state_cpu._version
+    cg(state_cpu, x_n)
+    torch.testing.assert_close(state_cpu, state_c + x_c.sum())
+    assert state_cpu._version > version
+    assert neuron_runtime.stats()["graphs"]["graph_executions"] == 2
 
 
 def test_random_graph_runs_op_by_op_with_eager_masks(fresh_runtime: _dispatch.Runtime) -> None:
