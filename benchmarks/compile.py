@@ -33,7 +33,8 @@ import _models
 
 MODELS = r"""
 import torch
-from _models import MAKERS
+from _models import MAKERS, mlp
+MAKERS = dict(MAKERS, mlp_wide=lambda: mlp(512))  # another model size (--models)
 
 def step_fn(make, device, backend, new_batch=False, compile_opt=False):
     torch.manual_seed(0)
@@ -59,10 +60,11 @@ def step_fn(make, device, backend, new_batch=False, compile_opt=False):
 STEADY = MODELS + r"""
 import json, statistics, sys, time
 torch.set_num_threads(1)
-steps, rounds, LOOPS = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
+steps, rounds, LOOPS, NAMES = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4].split(",")
 import neuron_runtime
 out = {}
-for name, make in MAKERS.items():
+for name in NAMES:
+    make = MAKERS[name]
     for loop in LOOPS:
         kw = {"new_batch": loop == "new_batch", "compile_opt": loop == "optimizer_compiled"}
         sides = {"native": step_fn(make, "cpu", None, **kw),
@@ -135,6 +137,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=15, help="rounds of --steps steps (medians of these)")
     p.add_argument("--cache-dir", help="local executable cache to use (default: a fresh temporary directory)")
     p.add_argument("--skip", choices=["steady", "warm"], help="leave one part out")
+    p.add_argument("--models", default="mlp,transformer_block",
+                   help="comma-separated: mlp, transformer_block, mlp_wide (the MLP 4x wider)")
     p.add_argument("--loops", default="same_batch,new_batch,optimizer_compiled",
                    help="steady-state loop shapes: same_batch (loss.item() every step), new_batch (a new batch "
                         "moved to the device every step), optimizer_compiled (same batch, opt.step compiled too)")
@@ -146,10 +150,10 @@ def main() -> int:
     report: dict[str, object] = {"tier": args.tier, "steps_per_round": args.steps, "rounds": args.rounds,
                                  "load": os.getloadavg()[0]}
     if args.skip != "steady":
-        report["steady"] = _child(STEADY, [str(args.steps), str(args.rounds), args.loops], env)
+        report["steady"] = _child(STEADY, [str(args.steps), str(args.rounds), args.loops, args.models], env)
     if args.skip != "warm":
         warm: dict[str, object] = {}
-        for name in ("mlp", "transformer_block"):
+        for name in args.models.split(","):
             for backend in ("neuron", "inductor", "eager", "aot_eager"):
                 _child(WARM, [backend, name], env)  # fills the caches (a no-op once they are warm)
                 warm[f"{name}/{backend}"] = _child(WARM, [backend, name], env)

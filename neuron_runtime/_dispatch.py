@@ -439,10 +439,19 @@ class Runtime:
         return rewrap(out, values, host_values, to_cpu_result=_wants_cpu(info, values))
 
 
+# Ops whose overload objects take a Python number in a Tensor slot themselves, as a wrapped number (what
+# C++ passed): called as they are, they keep CPU's rules exactly, out= dtypes included (`mul.Scalar_out`
+# refuses a float64 `out` for a float32 result that `mul.out` with a wrapped number writes).
+_TAKE_NUMBERS = frozenset({"aten::add", "aten::sub", "aten::mul", "aten::div"})
+
+
 def _op_for_numbers(info: _ops.OpInfo, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    """The overload to call on the host: a Python number in a Tensor slot needs the Scalar overload."""
+    """The overload to call on the host: a Python number in a Tensor slot needs the Scalar overload,
+    except for the ops that take it as a wrapped number themselves."""
     numbers = {a.name for a, v in zip(info.args, [*args, *kwargs.values()])
                if a.kind == _ops.TENSOR and type(v) in NUMBERS}
+    if numbers and info.op._schema.name in _TAKE_NUMBERS:
+        return info.op
     return _ops.scalar_overload(info.op, numbers)
 
 

@@ -130,6 +130,7 @@ _NATIVE_SPECIAL = {"aten::empty.memory_format": 0, "aten::empty_strided": 1, "at
 # Argument kinds the native hit path serves (`fastpath.cpp`'s Kind), and nothing else.
 _NATIVE_KINDS = {_ops.TENSOR: 0, _ops.OPT_TENSOR: 1, _ops.SCALAR: 2, _ops.VALUE: 3, _ops.TENSORS: 4,
                  _ops.SCALARS: 5}
+_NATIVE_OUT = 6  # an out= op's `out` (not keyed, not an input; the result is copied into it)
 
 
 def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
@@ -154,7 +155,8 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
     if lookup is None or not _native_eligible(info):
         return False
     mutated = info.args.index(next(a for a in info.args if a.name == info.mutable[0])) if info.mutable else -1
-    native.register_compute(qualname, [_NATIVE_KINDS[a.kind] for a in info.args],
+    kinds = [_NATIVE_OUT if i == mutated and a.kwarg_only else _NATIVE_KINDS[a.kind] for i, a in enumerate(info.args)]
+    native.register_compute(qualname, kinds,
                             [a.kwarg_only for a in info.args], [a.name for a in info.args], mutated,
                             info.n_returns, info.returns_list, kernel, lookup,
                             [i for i, a in enumerate(info.args) if a.mutable and a.kind == _ops.TENSORS])
@@ -170,7 +172,8 @@ def _native_eligible(info: _ops.OpInfo) -> bool:
     if info.kind == "compute":
         return returns == ["List[Tensor]"] if info.returns_list else bool(returns) and \
             all(r == "Tensor" for r in returns)
-    if info.kind != "mutating" or info.functional is None or len(info.functional.args) != len(info.args):
+    if info.kind != "mutating" or info.functional is None or \
+            len(info.functional.args) != len(info.args) - sum(a.kwarg_only and a.mutable for a in info.args):
         return False
     if len(info.mutable) > 1:
         # Several lists written (`_fused_adamw_`): the native path serves only in-place executables'
@@ -180,7 +183,10 @@ def _native_eligible(info: _ops.OpInfo) -> bool:
         return False
     m = next(a for a in info.args if a.name == info.mutable[0])
     if m.kwarg_only:
-        return False
+        # out= (`mul.out`: DDP's reducer divides each gradient into its bucket with it): the functional
+        # variant's executable on the other arguments, its result copied into `out` when dtype and sizes fit.
+        return m.kind == _ops.TENSOR and returns == ["Tensor"] and info.returns_args == [m.name] and \
+            [a.name for a in info.functional.args] == [a.name for a in info.args if a is not m]
     if m.kind == _ops.TENSOR:
         return returns == ["Tensor"] and info.returns_args == [m.name]
     return m.kind == _ops.TENSORS and not returns and info.functional.returns_list

@@ -326,7 +326,9 @@ void register_view(const std::string& qualname) {
 // ---------------------------------------------------------------------------------------------------
 // Compute and in-place ops.
 // ---------------------------------------------------------------------------------------------------
-enum Kind : int { TENSOR = 0, OPT_TENSOR = 1, SCALAR = 2, VALUE = 3, TENSORS = 4, SCALARS = 5 };
+// OUT: an out= op's `out` tensor: no key words (the functional executable's key is the other arguments'),
+// never an input of the executable; the result is copied into it when its dtype and sizes fit.
+enum Kind : int { TENSOR = 0, OPT_TENSOR = 1, SCALAR = 2, VALUE = 3, TENSORS = 4, SCALARS = 5, OUT = 6 };
 
 using Key = std::vector<int64_t>;
 
@@ -681,6 +683,9 @@ struct OpState final : c10::OperatorKernel {
   // The key words of argument `i` (a tensor's: `tensor_arg`), as the stack holds it.
   bool arg_words(size_t i, const c10::IValue& v, Key& key) const {
     switch (kinds[i]) {
+      case OUT:  // a CPU `out` for a neuron op is the Python kernel's error to raise
+        return v.isTensor() && v.toTensor().defined() &&
+               v.toTensor().device().type() == c10::DeviceType::PrivateUse1;
       case TENSOR:
       case OPT_TENSOR:
         if (v.isNone()) return tensor_arg(kinds[i], at::Tensor(), key);
@@ -949,7 +954,7 @@ struct OpState final : c10::OperatorKernel {
             l.reserve(v.toTensorList().size());
             for (const at::Tensor& t : v.toTensorList()) l.push_back(cpu_view(t));
             cpu.emplace_back(std::move(l));
-          } else {
+          } else if (kinds[i] != OUT) {
             cpu.push_back(v);
           }
         }
@@ -1015,6 +1020,12 @@ struct OpState final : c10::OperatorKernel {
           return true;
         }
         if (outs.empty()) return false;
+        if (kinds[mutated] == OUT) {  // a result of another dtype or size: the Python kernel casts or resizes
+          const at::Tensor& out = target.toTensor();
+          if (!outs[0].defined() || outs[0].scalar_type() != out.scalar_type() || outs[0].sizes() != out.sizes()) {
+            return false;
+          }
+        }
         cpu_view(target.toTensor()).copy_(outs[0]);
         c10::IValue self = target;
         torch::jit::drop(*stack, n);
@@ -1170,6 +1181,10 @@ struct OpState final : c10::OperatorKernel {
     if (several_mutated && !(!exe.is_none() && py::hasattr(exe, "__neuron_inplace__"))) {
       e->python_only = true;  // results to copy into several arguments: the Python kernel does that
       e->queue = false;
+    }
+    if (mutated >= 0 && kinds[mutated] == OUT && e->queue) {  // fusion does not queue out= calls here
+      e->queue = false;
+      e->python_only = true;
     }
     if (queue_only && !e->queue) return nullptr;
     if (e->python_only || exe.is_none()) {

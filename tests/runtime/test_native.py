@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -335,3 +336,46 @@ def test_functional_ops_whose_composite_calls_out_are_served_natively(fresh_runt
     before = _hostmem.NATIVE.executions()
     assert_same(fn(x), fn(n), equal_nan=True)
     assert _hostmem.NATIVE.executions() - before == 1
+
+
+@native
+def test_out_variants_are_served_natively_and_hand_casts_resizes_and_cpu_outs_to_python(
+        fresh_runtime: _dispatch.Runtime) -> None:
+    """`mul.out` (DDP's reducer divides every gradient into its bucket with it, a wrapped-number scalar from
+    C++): the functional executable's result copied into `out` natively when dtype and sizes fit; another
+    dtype (PyTorch's casting rules), another size (resized) and a CPU `out` (the
+    error CUDA gives) go to the Python kernel, and every result equals CPU's."""
+    g = torch.randn(8, 4)
+    buf = torch.zeros(40)
+    nbuf, ng = buf.to(DEV), g.to(DEV)
+    view, nview = buf[4:36].view(8, 4), nbuf[4:36].view(8, 4)
+    for _ in range(2):  # the Python kernel compiles, then the native one learns the entry
+        torch.mul(ng, 0.5, out=nview)
+    before = _hostmem.NATIVE.executions()
+    for k in range(5):
+        torch.mul(ng, 0.25 * k, out=nview)
+    assert _hostmem.NATIVE.executions() - before == 5
+    torch.mul(g, 0.25 * 4, out=view)
+    assert_same(buf, nbuf)  # only the view's elements written, through the neuron tensor's memory
+    wide, nwide = torch.zeros(8, 4, dtype=torch.float64), torch.zeros(8, 4, dtype=torch.float64, device=DEV)
+    torch.mul(g, 3.0, out=wide)  # a wider out: written, cast (it once raised on neuron: the host call
+    torch.mul(ng, 3.0, out=nwide)  # used mul.Scalar_out, whose rules differ from mul.out's)
+    assert_same(wide, nwide)
+    with pytest.raises(RuntimeError) as cpu_err:  # a float result into an int out: refused on both
+        torch.mul(g, 3.0, out=torch.zeros(8, 4, dtype=torch.int64))
+    with pytest.raises(RuntimeError) as dev_err:
+        torch.mul(ng, 3.0, out=torch.zeros(8, 4, dtype=torch.int64, device=DEV))
+    assert str(dev_err.value) == str(cpu_err.value)
+    ints, nints = torch.zeros(8, 4, dtype=torch.int64), torch.zeros(8, 4, dtype=torch.int64, device=DEV)
+    ig = torch.arange(32).view(8, 4)
+    torch.mul(ig, ig, out=ints)
+    torch.mul(ig.to(DEV), ig.to(DEV), out=nints)
+    assert_same(ints, nints)
+    small, nsmall = torch.zeros(3), torch.zeros(3, device=DEV)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch's "an output with one or more elements was resized"
+        torch.mul(ng, 2.0, out=nsmall)
+        torch.mul(g, 2.0, out=small)
+    assert_same(small, nsmall)
+    with pytest.raises(RuntimeError, match="device"):
+        torch.mul(ng, 2.0, out=torch.zeros(8, 4))
