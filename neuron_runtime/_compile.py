@@ -190,7 +190,9 @@ class CompiledGraph:
 
     def _run(self, plan: _graph.GraphPlan, args: list[Any]) -> list[Any]:
         alias, wrap = _dispatch.alias, _dispatch.wrap
-        ins = [alias(t) if t.device.type == "neuron" else t for t in (args[p] for p in plan.inputs)]
+        consts = plan.constants
+        ins = [alias(t) if t.device.type == "neuron" else t
+               for t in (args[p] if p >= 0 else consts[-1 - p] for p in plan.inputs)]
         outs = self.exe(ins, ())
         # Input mutations (an optimizer's parameters and moments): the executable wrote those the graph
         # reads (`plan.writes`); the others are copied on the host, into the inputs' CPU views. Version
@@ -229,7 +231,8 @@ def _native_runner(exe: Any, plan: _graph.GraphPlan) -> Any:
     if _hostmem.NATIVE is None:
         return None
     outputs = [(_OUTPUT_KINDS[how], v if how != "const" else 0) for how, v in plan.outputs]
-    return _hostmem.NATIVE.GraphRunner(exe, plan.inputs, plan.copies, plan.writes, outputs, plan.on_device)
+    return _hostmem.NATIVE.GraphRunner(exe, plan.inputs, plan.copies, plan.writes, outputs, plan.on_device,
+                                       plan.constants)
 
 
 def stats() -> dict[str, int]:

@@ -35,7 +35,10 @@ class GraphRefused(Exception):
 class GraphPlan:
     """How to call a graph's executable and rebuild the graph's outputs from what it returns.
 
-    `inputs`: the placeholder index feeding each executable input `e{i}`. `outputs`: per graph output,
+    `inputs`: the placeholder index feeding each executable input `e{i}`, or -(k + 1) for `constants[k]`,
+    a tensor the graph holds as an attribute (`get_attr`: a mask or a scalar the model built in its
+    forward), passed to the executable as an input like any other, so its value is never baked into the
+    kernel or the key (two graphs that differ only in a constant's value share one executable correctly). `outputs`: per graph output,
     ("x", i) the executable's output i, ("in", p) placeholder p itself, ("const", v) a constant (None).
     `on_device`: per executable output, whether it is a neuron tensor (else it stays on CPU).
     Input mutations (`copy_` into a placeholder, an optimizer's parameters and moments): `writes`, the
@@ -51,6 +54,7 @@ class GraphPlan:
     copies: list[tuple[int, int]]
     n_ops: int
     writes: list[int] = dataclasses.field(default_factory=list)
+    constants: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 _INFOS: dict[str, _ops.OpInfo] = {}
@@ -105,12 +109,17 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
     written: dict[torch.fx.Node, int] = {}  # a `copy_` into a placeholder -> that placeholder
     ops: list[str] = []
 
+    constants: list[torch.Tensor] = []
+    const_index: dict[torch.fx.Node, int] = {}  # a get_attr tensor -> -(its index in `constants` + 1)
+
     def wire(v: torch.fx.Node, where: str) -> tuple[list[Any], dict[str, Any]]:
-        if v in placeholders:
-            p = placeholders[v]
+        if v in placeholders or v in const_index:
+            p = placeholders[v] if v in placeholders else const_index[v]
             if p not in ext:
                 ext[p] = len(ext_order)
                 ext_order.append(p)
+            if p < 0:  # a constant: described by the tensor itself (get_attr nodes may carry no fake value)
+                return ["e", ext[p]], _signature.tensor_meta(constants[-1 - p])
             return ["e", ext[p]], _meta(v, where)
         if v in produced:
             j, k = produced[v]
@@ -123,6 +132,15 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
             continue
         if node.op == "output":
             out_node = node
+            continue
+        if node.op == "get_attr":
+            value = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+                raise GraphRefused(f"node {node.name} is a get_attr of a {type(value).__name__}")
+            constants.append(value)
+            const_index[node] = -len(constants)
             continue
         if node.op != "call_function":
             raise GraphRefused(f"node {node.name} is a {node.op} ({node.target})")
@@ -229,4 +247,4 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
     sig: dict[str, Any] = {"op": f"graph:{kind}", "graph": nodes, "outputs": results}
     if into:
         sig["into"] = into
-    return GraphPlan(sig, ext_order, outputs, on_device, plan_copies, len(nodes), writes)
+    return GraphPlan(sig, ext_order, outputs, on_device, plan_copies, len(nodes), writes, constants)

@@ -1400,8 +1400,8 @@ std::shared_ptr<GroupExe> group_exe(py::handle exe) {
 // ---------------------------------------------------------------------------------------------------
 // torch.compile graphs (neuron_runtime/_compile.py, `GraphPlan`): a graph's executable called with one
 // Python call instead of a CPU view and a relabel in Python per tensor (about 40 us a call for the MLP's
-// forward graph). `inputs[i]`: the placeholder feeding executable input i (a neuron tensor goes in as
-// its CPU view, a CPU tensor as it is); `copies`: (placeholder, executable output) pairs, the input
+// forward graph). `inputs[i]`: the placeholder feeding executable input i, or -(k + 1) for the graph's
+// constant tensor `consts[k]` (a neuron tensor goes in as its CPU view, a CPU tensor as it is); `copies`: (placeholder, executable output) pairs, the input
 // mutations copied back into the inputs' memory; `writes`: the placeholders the executable wrote in
 // place itself (the graph's `into`); each mutated input's version counter is bumped as the in-place op
 // would; `outputs`: per graph output, (0, v) the executable's output v, (1, p) placeholder p
@@ -1416,11 +1416,13 @@ struct GraphRunner {
   std::vector<int64_t> writes;
   std::vector<std::pair<int, int64_t>> outputs;
   std::vector<bool> on_device;
+  std::vector<at::Tensor> consts;
 
   GraphRunner(py::object e, std::vector<int64_t> in, std::vector<std::pair<int64_t, int64_t>> cp,
-              std::vector<int64_t> wr, std::vector<std::pair<int, int64_t>> out, std::vector<bool> dev)
+              std::vector<int64_t> wr, std::vector<std::pair<int, int64_t>> out, std::vector<bool> dev,
+              std::vector<at::Tensor> c)
       : exe(std::move(e)), inputs(std::move(in)), copies(std::move(cp)), writes(std::move(wr)),
-        outputs(std::move(out)), on_device(std::move(dev)) {
+        outputs(std::move(out)), on_device(std::move(dev)), consts(std::move(c)) {
     aoti.read(exe);
   }
 
@@ -1437,7 +1439,7 @@ struct GraphRunner {
     std::vector<at::Tensor> in;
     in.reserve(inputs.size());
     for (int64_t p : inputs) {
-      at::Tensor t = arg(args, p);
+      at::Tensor t = p >= 0 ? arg(args, p) : consts.at(static_cast<size_t>(-1 - p));
       in.push_back(t.device().type() == c10::DeviceType::PrivateUse1 ? cpu_view(t) : std::move(t));
     }
     std::vector<at::Tensor> outs;
@@ -1836,7 +1838,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "live) and buffer limit; Nones when fusion is off");
   py::class_<GraphRunner>(m, "GraphRunner", "A torch.compile graph's executable called natively (_compile.py)")
       .def(py::init<py::object, std::vector<int64_t>, std::vector<std::pair<int64_t, int64_t>>,
-                    std::vector<int64_t>, std::vector<std::pair<int, int64_t>>, std::vector<bool>>())
+                    std::vector<int64_t>, std::vector<std::pair<int, int64_t>>, std::vector<bool>,
+                    std::vector<at::Tensor>>())
       .def("__call__", &GraphRunner::call)
       .def_property_readonly("native_aoti", [](const GraphRunner& g) { return g.aoti.runner != nullptr; });
   m.def("run_queue", &run_queue, "run the native fusion queue (fusion.flush does)");

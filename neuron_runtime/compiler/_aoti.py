@@ -140,9 +140,9 @@ class AotiCompiler(Compiler):
         cls = signature if _shapes.is_class(signature) else None
         exact = _shapes.example(cls) if cls is not None else signature
         into = [int(i) for _, i in exact.get("into", [])]  # inputs a fused group writes in place
-        if "graph" in exact:  # a fused group (neuron_runtime.fusion)
+        if "graph" in exact:  # a fused group (neuron_runtime.fusion) or a torch.compile graph
             run = build_graph(exact, wrapped_as_tensors=True,
-                              choose=lambda sig, op: _per_element(sig["op"], op, sig) or op)
+                              choose=lambda sig, op: _per_element(sig["op"], op, sig) or _VIEWS.get(sig["op"], op))
             flat = graph_inputs(exact)
             others = [graph_inputs(_shapes.other_instance(cls))] if cls is not None else []
             dynamic = _dynamic_dims(graph_inputs(cls)) if cls is not None else None
@@ -400,6 +400,24 @@ def _per_element(qualname: str, op: Any, signature: dict[str, Any]) -> Any | Non
     if target is None:
         return None
     return _PerElement(op, target, scalar_kw)
+
+
+class _Reshape:
+    """`view(self, size)` in a compiled graph, traced as `reshape`. A graph AOTAutograd recorded views
+    tensors with the strides eager kernels gave them; Inductor's decompositions may lay an intermediate
+    out otherwise (a CPU attention's `k` transposed in another order), and a `view` of it then fails the
+    whole compile ("Cannot view a tensor with shape ..."). `reshape` views when it can and copies when it
+    must; the self-check still compares every output's strides with eager's."""
+
+    def __init__(self, op: Any) -> None:
+        self._schema = op._schema
+
+    def __call__(self, x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+        return torch.reshape(x, size)
+
+
+_VIEWS: dict[str, Any] = {"aten::view": _Reshape(torch.ops.aten.view.default),
+                          "aten::_unsafe_view": _Reshape(torch.ops.aten._unsafe_view.default)}
 
 
 # foreach base name -> (per-tensor op, keyword its list-wise scalar goes to when not positional); both as

@@ -5,6 +5,7 @@ this module."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ def graph_run(aoti_root: Path) -> Iterator[dict[str, Any]]:
         # A module-scoped fixture has no `monkeypatch`; MonkeyPatch.context() restores the environment the same way.
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("TORCH_NEURONX_COMPILER", "aoti")
+            # An empty local tier (aoti_root persists across sessions): this run compiles the graph.
+            shutil.rmtree(aoti_root / "neff-graph", ignore_errors=True)
             mp.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(aoti_root / "neff-graph"))
             _dispatch.reset_runtime()
             torch._dynamo.reset()
