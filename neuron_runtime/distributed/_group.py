@@ -82,17 +82,24 @@ def _count(name: str, nbytes: int) -> None:
 
 
 class _Views:
-    """The CPU views of one call's tensor arguments, and the way back to the caller's neuron tensors."""
+    """The CPU views of one call's tensor arguments, and the way back to the caller's neuron tensors.
 
-    __slots__ = ("name", "back", "nbytes", "shapes", "meta")
+    Only the (view, tensor) pairs are kept while the collective is issued (DDP issues one a bucket, on
+    the training thread); the lookup back and the shapes for an error message are built when asked for."""
+
+    __slots__ = ("name", "pairs", "nbytes", "meta", "_back")
 
     def __init__(self, name: str, check: bool = False) -> None:
         self.name = name
-        self.back: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.nbytes = 0
-        self.shapes: list[tuple[int, ...]] = []
         # dtype and shape of every tensor: the DETAIL check's fingerprint (None: not checked)
         self.meta: list[str] | None = [] if check else None
+        self._back: dict[tuple[int, tuple[int, ...]], torch.Tensor] | None = None
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(x.shape) for _, x in self.pairs[:4]]
 
     def convert(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -102,11 +109,9 @@ class _Views:
                     f"process group carries {_DEVICE} tensors only (for CPU tensors use a gloo group: "
                     "dist.new_group(backend='gloo'))"
                 )
-            v = _hostmem.to_cpu(x)
-            self.back[(v.data_ptr(), tuple(v.shape))] = x
-            self.nbytes += x.numel() * x.element_size()
-            if len(self.shapes) < 4:
-                self.shapes.append(tuple(x.shape))
+            v = _to_cpu(x)
+            self.pairs.append((v, x))
+            self.nbytes += x.nbytes
             if self.meta is not None:
                 self.meta.append(f"{x.dtype}{list(x.shape)}")
             return v
@@ -119,25 +124,33 @@ class _Views:
         if isinstance(x, torch.Tensor):
             if x.device.type == _DEVICE:
                 return x
-            orig = self.back.get((x.data_ptr(), tuple(x.shape)))
-            return orig if orig is not None else _hostmem.to_neuron(x)
+            for v, orig in self.pairs:  # the view itself came back (in-place collectives): no lookup
+                if v is x:
+                    return orig
+            if self._back is None:
+                self._back = {(v.data_ptr(), tuple(v.shape)): t for v, t in self.pairs}
+            found = self._back.get((x.data_ptr(), tuple(x.shape)))
+            return found if found is not None else _hostmem.to_neuron(x)
         if isinstance(x, list):
             return [self.restore(y) for y in x]
         return x
 
 
+_to_cpu = _hostmem.to_cpu
+
+
 class NeuronWork(dist.Work):
     """gloo's `Work` with errors that name the collective and results that are neuron tensors."""
 
-    def __init__(self, inner: dist.Work, views: _Views, rank: int) -> None:
+    def __init__(self, inner: dist.Work, views: _Views, group: dist.ProcessGroup) -> None:
         super().__init__()
         self._inner = inner
         self._views = views
-        self._rank = rank
+        self._group = group
 
     def _error(self, e: BaseException) -> CollectiveError:
         shapes = ", ".join(str(list(s)) for s in self._views.shapes) or "no tensors"
-        return CollectiveError(f"{self._views.name} failed on rank {self._rank} ({shapes}): {e}")
+        return CollectiveError(f"{self._views.name} failed on rank {self._group.rank()} ({shapes}): {e}")
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         try:
@@ -210,7 +223,7 @@ def _method(cname: str) -> Callable[..., NeuronWork]:
         except Exception as e:
             raise CollectiveError(f"{name} failed on rank {self.rank()}: {e}") from e
         _count(name, views.nbytes)
-        w = NeuronWork(work, views, self.rank())
+        w = NeuronWork(work, views, self)
         if self._coalesced is not None:
             self._coalesced.append(w)
         return w
