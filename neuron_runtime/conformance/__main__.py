@@ -35,6 +35,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="forward only: no backward, in-place or out= checks (default on aoti)")
     p.add_argument("--cache-dir", help="local executable cache (default: a fresh temporary directory)")
     p.add_argument("--out", help="JSON file to write (markdown goes beside it, .md)")
+    p.add_argument("--update", action="store_true",
+                   help="merge the ops this run checks into the existing --out file (their entries replaced, "
+                        "the summary recomputed), e.g. to rerun a few ops of a sweep that took hours")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     # Internal: one worker process.
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -85,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     every = ["*"] if args.dtypes == "all" else args.every_dtype
     cov = _runner.sweep(names, args.tier, args.jobs, samples, timeout, args.cuda_only, args.budget, sys.stderr,
                         args.cache_dir, forward_only, every, _dtype_list(args.only_dtypes))
+    if args.update:
+        cov = _runner.merge(args.out, cov)
     path, md = _runner.write(cov, args.out)
     s = cov["summary"]
     print(f"{s['ops']} ops: {s['compiled']} compiled, {s['fallback']} fallback, {s['mismatch']} mismatch, "

@@ -241,8 +241,13 @@ def check_forward_backward(op: Any, s: Any, idx: int, want_backward: bool, value
     dev = _move_sample(op, cpu)
     with log:
         actual = _run(op, dev, seed=idx)
-    compare(actual, expected, f"sample {idx} forward", values, any_device=op_key(op) in ANY_DEVICE)
     ran = ["forward"]
+    try:
+        compare(actual, expected, f"sample {idx} forward", values, any_device=op_key(op) in ANY_DEVICE)
+    except Mismatch:
+        if not values or not _half_within_fp64_reference(op, cpu, idx, actual, expected):
+            raise
+        ran = ["forward≈fp64"]
     if not want_backward:
         return ran
     post = s.output_process_fn_grad
@@ -267,6 +272,53 @@ def check_forward_backward(op: Any, s: Any, idx: int, want_backward: bool, value
 
 class _CpuFailed(Exception):
     """CPU itself rejects the sample: not a neuron problem."""
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _half_within_fp64_reference(op: Any, cpu: tuple[Any, Any, Any], idx: int, actual: Any, expected: Any) -> bool:
+    """For float16/bfloat16 results that differ from CPU's: whether neuron's are as accurate as CPU's,
+    judged against the op computed in float64 the way PyTorch judges Inductor's (`torch._dynamo.utils.same`
+    with its float64 reference): neuron's root-mean-square error from the float64 result at most twice
+    CPU's, plus 1e-5. A compiled kernel computes in float32 and rounds once where an eager half kernel may
+    round between steps, so the two differ by an ulp (batch norm: 1 ulp on 2-5 % of the elements, with
+    neuron's error from float64 no larger than CPU's); a wrong kernel fails this as it fails the direct
+    comparison. Every other output of the sample must match CPU exactly as before."""
+    a_l, e_l = _leaves(actual), _leaves(expected)
+    if len(a_l) != len(e_l) or not any(isinstance(e, torch.Tensor) and e.dtype in _HALF for e in e_l):
+        return False
+
+    def up(t: Any) -> Any:
+        return t.detach().to(torch.float64) if isinstance(t, torch.Tensor) and t.dtype in _HALF else t
+
+    try:
+        ref = _leaves(_run(op, pytree.tree_map(up, cpu), seed=idx))
+    except Exception:  # noqa: BLE001 - no float64 kernel: nothing to judge by
+        return False
+    if len(ref) != len(e_l):
+        return False
+    for a, e, r in zip(a_l, e_l, ref):
+        if not isinstance(e, torch.Tensor):
+            continue
+        if not isinstance(a, torch.Tensor) or a.dtype != e.dtype or a.shape != e.shape:
+            return False
+        ac = a.detach().cpu()
+        if e.dtype not in _HALF or not isinstance(r, torch.Tensor) or r.shape != e.shape:
+            if not torch.equal(ac, e.detach()) and not torch.allclose(ac, e.detach(), equal_nan=True):
+                return False
+            continue
+        finite = torch.isfinite(r) & torch.isfinite(e.double())
+        if not torch.equal(torch.isfinite(ac.double()), torch.isfinite(e.double())):
+            return False
+
+        def rmse(x: torch.Tensor) -> float:
+            d = (x.double() - r.double())[finite]
+            return float(d.pow(2).mean().sqrt()) if d.numel() else 0.0
+
+        if rmse(ac) > 2.0 * rmse(e.detach()) + 1e-5:
+            return False
+    return True
 
 
 def _fresh(sample: Any) -> tuple[Any, Any, Any]:

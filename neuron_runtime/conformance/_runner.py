@@ -105,7 +105,7 @@ def worker(names: list[str], results: str, samples: int, timeout_s: float, cuda_
 
 
 def _brief(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in r.items() if k in ("status", "reason", "samples", "executions", "seconds")}
+    return {k: v for k, v in r.items() if k in ("status", "reason", "samples", "executions", "seconds", "checks")}
 
 
 # -- parent ---------------------------------------------------------------------------------------------
@@ -381,6 +381,23 @@ def markdown(cov: dict[str, Any]) -> str:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")[:300]
+
+
+def merge(out: str, cov: dict[str, Any]) -> dict[str, Any]:
+    """The coverage map in `out` with this run's ops replaced by `cov`'s results and the summary
+    recomputed (`--update`). The two runs must be of one tier and sample count."""
+    old = json.loads(Path(out).read_text())
+    if old["tier"] != cov["tier"] or old["summary"]["samples_per_op"] != cov["summary"]["samples_per_op"]:
+        raise SystemExit(f"--update: {out} is a {old['tier']} run with {old['summary']['samples_per_op']} "
+                         f"sample(s) per op; this run is {cov['tier']} with {cov['summary']['samples_per_op']}")
+    ops = {**old["ops"], **cov["ops"]}
+    missing = [n for n in old.get("not_run", []) + cov.get("not_run", []) if n not in ops]
+    merged = coverage_map(cov["tier"], ops, sorted(set(missing)), cov["summary"]["samples_per_op"],
+                          old["summary"]["seconds"] + cov["summary"]["seconds"])
+    for k in ("forward_only", "every_dtype", "only_dtypes"):
+        merged["summary"][k] = old["summary"].get(k, cov["summary"].get(k))
+    merged["summary"]["updated_ops"] = sorted(set(old["summary"].get("updated_ops", [])) | set(cov["ops"]))
+    return merged
 
 
 def write(cov: dict[str, Any], out: str) -> tuple[Path, Path]:

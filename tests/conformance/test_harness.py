@@ -4,6 +4,7 @@ on neuron, a fallback, and an in-place variant that does not mutate are each rep
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -153,3 +154,47 @@ def test_ops_compiled_per_shape_are_listed_with_the_reason(add_op: Any, monkeypa
     assert cov["summary"]["per_shape"] == 1
     md = markdown(cov)
     assert "## Compiled per shape" in md and "| `add` | `aten::add.Tensor` | export with dynamic dims" in md
+
+
+def test_half_results_that_round_otherwise_are_judged_against_float64_and_wrong_ones_still_fail(
+        add_op: Any) -> None:
+    """A bfloat16 result that differs from CPU's by more than the direct comparison allows (a compiled
+    kernel rounds once where eager rounds between steps) matches when its error from the op computed in
+    float64 is at most twice CPU's; a wrong one is still a mismatch, and so is a float32 one."""
+    from neuron_runtime.conformance._check import Mismatch, _half_within_fp64_reference, compare
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(1000, generator=g).bfloat16(), torch.randn(1000, generator=g).bfloat16()
+    sample = (x, (y,), {})
+    expected = torch.add(x, y)
+    rounded_otherwise = expected.clone()
+    k = int((expected.float().abs() - 0.1).abs().argmin())
+    v = float(expected[k])
+    ulp = 2.0 ** (math.floor(math.log2(abs(v))) - 7)  # bfloat16 keeps 8 significant bits
+    rounded_otherwise[k] = v + 5 * ulp  # one element 5 ulps away: beyond assert_close's bf16 tolerance
+    actual = rounded_otherwise.to("neuron")
+    with pytest.raises(Mismatch):
+        compare(actual, expected, "sample 0 forward")
+    assert _half_within_fp64_reference(add_op, sample, 0, actual, expected)
+    assert not _half_within_fp64_reference(add_op, sample, 0, (expected * 1.05).to("neuron"), expected)
+    xf, yf = x.float(), y.float()
+    assert not _half_within_fp64_reference(add_op, (xf, (yf,), {}), 0, (torch.add(xf, yf) + 1e-3).to("neuron"),
+                                           torch.add(xf, yf))
+
+
+def test_update_merges_a_rerun_into_a_sweep(tmp_path: Any) -> None:
+    """`--update`: the ops a rerun checked replace theirs in the sweep's file; the summary is recomputed."""
+    import json
+
+    old = coverage_map("aoti", {"a": {"status": "mismatch", "reason": "x"}, "b": {"status": "compiled"}}, ["c"], 1, 10.0)
+    old["summary"]["only_dtypes"] = ["float16"]
+    path = tmp_path / "cov.json"
+    path.write_text(json.dumps(old))
+    rerun = coverage_map("aoti", {"a": {"status": "compiled"}, "c": {"status": "fallback"}}, [], 1, 2.0)
+    merged = _runner.merge(str(path), rerun)
+    assert {n: r["status"] for n, r in merged["ops"].items()} == {"a": "compiled", "b": "compiled", "c": "fallback"}
+    s = merged["summary"]
+    assert (s["compiled"], s["fallback"], s["mismatch"], s["partial"]) == (2, 1, 0, False)
+    assert s["updated_ops"] == ["a", "c"] and s["only_dtypes"] == ["float16"] and s["seconds"] == 12.0
+    with pytest.raises(SystemExit):
+        _runner.merge(str(path), coverage_map("reference", {}, [], 1, 1.0))
