@@ -38,8 +38,9 @@ class GraphPlan:
     `inputs`: the placeholder index feeding each executable input `e{i}`, or -(k + 1) for `constants[k]`,
     a tensor the graph holds as an attribute (`get_attr`: a mask or a scalar the model built in its
     forward), passed to the executable as an input like any other, so its value is never baked into the
-    kernel or the key (two graphs that differ only in a constant's value share one executable correctly). `outputs`: per graph output,
-    ("x", i) the executable's output i, ("in", p) placeholder p itself, ("const", v) a constant (None).
+    kernel or the key (two graphs that differ only in a constant's value share one executable correctly).
+    `outputs`: per graph output, ("x", i) the executable's output i, ("in", p) placeholder p itself,
+    ("const", v) a constant (None).
     `on_device`: per executable output, whether it is a neuron tensor (else it stays on CPU).
     Input mutations (`copy_` into a placeholder, an optimizer's parameters and moments): `writes`, the
     placeholders the executable writes in place itself (the signature's `into`, as a fused group's: the

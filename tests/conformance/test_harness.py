@@ -186,7 +186,8 @@ def test_update_merges_a_rerun_into_a_sweep(tmp_path: Any) -> None:
     """`--update`: the ops a rerun checked replace theirs in the sweep's file; the summary is recomputed."""
     import json
 
-    old = coverage_map("aoti", {"a": {"status": "mismatch", "reason": "x"}, "b": {"status": "compiled"}}, ["c"], 1, 10.0)
+    old = coverage_map("aoti", {"a": {"status": "mismatch", "reason": "x"}, "b": {"status": "compiled"}},
+                       ["c"], 1, 10.0)
     old["summary"]["only_dtypes"] = ["float16"]
     path = tmp_path / "cov.json"
     path.write_text(json.dumps(old))
