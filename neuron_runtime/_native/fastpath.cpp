@@ -1401,12 +1401,13 @@ std::shared_ptr<GroupExe> group_exe(py::handle exe) {
 // torch.compile graphs (neuron_runtime/_compile.py, `GraphPlan`): a graph's executable called with one
 // Python call instead of a CPU view and a relabel in Python per tensor (about 40 us a call for the MLP's
 // forward graph). `inputs[i]`: the placeholder feeding executable input i, or -(k + 1) for the graph's
-// constant tensor `consts[k]` (a neuron tensor goes in as its CPU view, a CPU tensor as it is); `copies`: (placeholder, executable output) pairs, the input
-// mutations copied back into the inputs' memory; `writes`: the placeholders the executable wrote in
-// place itself (the graph's `into`); each mutated input's version counter is bumped as the in-place op
-// would; `outputs`: per graph output, (0, v) the executable's output v, (1, p) placeholder p
-// itself, (2, _) None; `on_device[v]`: whether executable output v becomes a neuron tensor (else it stays
-// on CPU, where AOTAutograd placed it). Called with the GIL; the executable runs without it.
+// constant tensor `consts[k]` (a neuron tensor goes in as its CPU view, a CPU tensor as it is);
+// `copies`: (placeholder, executable output) pairs, the input mutations copied back into the inputs'
+// memory; `writes`: the placeholders the executable wrote in place itself (the graph's `into`); each
+// mutated input's version counter is bumped as the in-place op would; `outputs`: per graph output,
+// (0, v) the executable's output v, (1, p) placeholder p itself, (2, _) None; `on_device[v]`: whether
+// executable output v becomes a neuron tensor (else it stays on CPU, where AOTAutograd placed it).
+// Called with the GIL; the executable runs without it.
 // ---------------------------------------------------------------------------------------------------
 struct GraphRunner {
   AotiCall aoti;
@@ -1840,8 +1841,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<py::object, std::vector<int64_t>, std::vector<std::pair<int64_t, int64_t>>,
                     std::vector<int64_t>, std::vector<std::pair<int, int64_t>>, std::vector<bool>,
                     std::vector<at::Tensor>>())
-      .def("__call__", &GraphRunner::call)
-      .def_property_readonly("native_aoti", [](const GraphRunner& g) { return g.aoti.runner != nullptr; });
+      .def("__call__", &GraphRunner::call);
   m.def("run_queue", &run_queue, "run the native fusion queue (fusion.flush does)");
   m.def("fusion_counters", &fusion_counters, "the native queue's counters since reset_counters()");
   m.def("set_pending", [](bool pending) { g_pending.store(pending); }, "whether fusion has queued ops");
