@@ -32,7 +32,8 @@ from .. import _config
 
 NAME = "_neuron_native"
 SOURCE = Path(__file__).with_name("fastpath.cpp")
-HEADERS = (Path(__file__).with_name("memory.h"),)  # included by SOURCE: part of the build's tag
+# Included by SOURCE: part of the build's tag.
+HEADERS = (Path(__file__).with_name("memory.h"), Path(__file__).with_name("process_group.h"))
 
 
 def enabled() -> bool:

@@ -1811,6 +1811,8 @@ void clear() { g_generation.fetch_add(1); }
 
 }  // namespace
 
+#include "process_group.h"  // the neuron c10d backend: uses cpu_view and to_neuron above
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "neuron-runtime's native hit path";
   m.def("to_neuron", &to_neuron, "A neuron tensor over a CPU tensor's memory");
@@ -1847,6 +1849,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pending", [](bool pending) { g_pending.store(pending); }, "whether fusion has queued ops");
   m.def("executions", []() { return g_executions.load(); }, "Hits served natively since reset_counters()");
   m.def("typed_executions", []() { return g_typed_executions.load(); }, "Of those, the hits typed kernels served");
+  neuron_pg::bind(m);
   m.def("reset_counters", []() {
     g_executions.store(0);
     g_typed_executions.store(0);

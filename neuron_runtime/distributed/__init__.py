@@ -10,16 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BACKEND", "CollectiveError", "collective_stats", "register"]
+import torch
+
+__all__ = ["BACKEND", "collective_stats", "register"]
 
 BACKEND = "neuron"
 
 _registered = False
 
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out (a peer died, hung or passed a different shape); the message
-    names the collective, the group's rank and the cause."""
 
 
 def register() -> None:
@@ -32,7 +30,27 @@ def register() -> None:
     if not dist.is_available():
         return
     dist.Backend.register_backend(BACKEND, _create, devices=["neuron"])
+    _default_backend_type(dist.distributed_c10d)
     _registered = True
+
+
+def _default_backend_type(c10d: Any) -> None:
+    """A group made without a backend (`init_process_group()`, `new_group()`) on a neuron host gets the
+    `neuron` backend alone (PyTorch maps the accelerator to its registered backend), but PyTorch then sets
+    the group's default backend type to gloo, which it has not got: DDP's logging and `_get_backend_name()`
+    fail with `Could not find backend type 1`. As PyTorch sets nccl's for cuda, set the custom one."""
+    import functools
+
+    helper = c10d._new_process_group_helper
+
+    @functools.wraps(helper)
+    def new_group(group_size: int, group_rank: int, ranks: Any, backend: Any, *args: Any, **kwargs: Any) -> Any:
+        pg, store = helper(group_size, group_rank, ranks, backend, *args, **kwargs)
+        if str(backend) == c10d.Backend.UNDEFINED and pg._device_types == [torch.device("neuron")]:
+            pg._set_default_backend(c10d.ProcessGroup.BackendType.CUSTOM)
+        return pg, store
+
+    c10d._new_process_group_helper = new_group
 
 
 def _create(store: Any, rank: int, size: int, timeout: Any) -> Any:

@@ -188,6 +188,11 @@ def check_errors(res: dict[str, Any]) -> None:
         errs["cpu_through_neuron"] = "no error"
     except Exception as e:  # noqa: BLE001
         errs["cpu_through_neuron"] = f"{type(e).__name__}: {e}"
+    try:
+        dist.all_gather([torch.empty(2, device=DEV), torch.empty(2)], torch.ones(2, device=DEV))
+        errs["mixed_devices"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        errs["mixed_devices"] = f"{type(e).__name__}: {e}"
     gloo = dist.new_group(backend="gloo")
     try:
         dist.all_reduce(torch.ones(2, device=DEV), group=gloo)
@@ -339,11 +344,14 @@ def check_fsdp_dtensor_dcp(res: dict[str, Any], tmp: Path) -> None:
 
 
 def check_mismatch(res: dict[str, Any]) -> None:
-    """Ranks pass different shapes: with PyTorch's desync checks on (TORCH_DISTRIBUTED_DEBUG=DETAIL, read
-    when a group is made), an error on every rank within the group's timeout, not a hang or an abort."""
+    """Ranks pass different shapes: with PyTorch's desync checks on (TORCH_DISTRIBUTED_DEBUG=DETAIL, which
+    wraps a group's backend when the group is made), an error on every rank within the group's timeout,
+    not a hang or an abort."""
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()
     g = dist.new_group(backend="neuron", timeout=datetime.timedelta(seconds=5))
     del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+    dist.set_debug_level_from_env()
     t = torch.ones(4, device=DEV)
     dist.all_reduce(t, group=g)  # same shapes: passes the check
     res["same_shapes_ok"] = t.cpu().tolist() == [2.0] * 4
@@ -409,7 +417,7 @@ def main() -> int:
     dist.init_process_group(timeout=datetime.timedelta(seconds=TIMEOUT))
     rank = dist.get_rank()
     res: dict[str, Any] = {"rank": rank, "backend": dist.get_backend(),
-                           "group": type(dist.group.WORLD).__name__}
+                           "group": dist.group.WORLD._get_backend(torch.device(DEV)).name()}
     try:
         if SCENARIO == "api":
             check_collectives(res)
