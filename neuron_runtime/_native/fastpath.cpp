@@ -1680,10 +1680,12 @@ struct SpecialKernel final : c10::OperatorKernel {
     return true;
   }
 
-  static bool host(const at::Tensor& t, at::Tensor& out) {
+  // `kept`: the CPU view compute ops keep (`cpu_view`), for a copy's tensors, which are mostly kept ones
+  // (parameters, gradients, DDP's buckets) read again and again.
+  static bool host(const at::Tensor& t, at::Tensor& out, bool kept = false) {
     auto* impl = t.unsafeGetTensorImpl();
     if (impl->is_conj() || impl->is_neg() || impl->layout() != c10::kStrided) return false;
-    if (impl->device_type() == c10::DeviceType::PrivateUse1) out = to_cpu(t);
+    if (impl->device_type() == c10::DeviceType::PrivateUse1) out = kept ? cpu_view(t) : to_cpu(t);
     else if (impl->device_type() == c10::DeviceType::CPU) out = t;
     else return false;
     return true;
@@ -1718,8 +1720,8 @@ struct SpecialKernel final : c10::OperatorKernel {
     if (which == TO_COPY) return to_copy(s, base, n);
     // _copy_from(self, dst, non_blocking) -> dst
     at::Tensor src, dst;
-    if (!s[base].isTensor() || !s[base + 1].isTensor() || !host(s[base].toTensor(), src) ||
-        !host(s[base + 1].toTensor(), dst)) {
+    if (!s[base].isTensor() || !s[base + 1].isTensor() || !host(s[base].toTensor(), src, true) ||
+        !host(s[base + 1].toTensor(), dst, true)) {
       return false;
     }
     dst.copy_(src);
