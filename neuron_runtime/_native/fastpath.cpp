@@ -121,7 +121,9 @@ struct CpuView final : c10::BackendMeta {
   const void* ctx;             // that storage's DataPtr context then: a swapped DataPtr (resize, a
                                // copy-on-write clone) makes the view stale
 };
-std::mutex g_view_mu;
+// A spin lock (memory.h): held for a lookup and a compare, and taken twice or more per op, where a mutex
+// cost ~150 instructions a pair more (callgrind, benchmarks/dispatch.py's add).
+neuron_memory::SpinLock g_view_mu;
 
 inline bool fits(const CpuView& c, const at::Tensor& t) {
   const c10::StorageImpl* s = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
@@ -133,7 +135,7 @@ inline bool fits(const CpuView& c, const at::Tensor& t) {
 
 at::Tensor cpu_view(const at::Tensor& t) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  std::lock_guard<std::mutex> lock(g_view_mu);
+  std::lock_guard<neuron_memory::SpinLock> lock(g_view_mu);
   if (auto* c = dynamic_cast<CpuView*>(impl->get_backend_meta()); c != nullptr && fits(*c, t)) return c->view;
   at::Tensor v = to_cpu(t);
   impl->set_backend_meta(c10::make_intrusive<CpuView>(v, impl->unsafe_storage().unsafeGetStorageImpl()));
@@ -667,7 +669,7 @@ struct OpState final : c10::OperatorKernel {
   bool returns_list = false;         // a single Tensor[] return
   PyObject* kernel = nullptr;        // the Python kernel (never released: states live for the process)
   PyObject* lookup = nullptr;        // lookup(*args, **kwargs) -> executable the Python kernel uses, or None
-  std::mutex mu;
+  neuron_memory::SpinLock mu;  // guards `table` and `generation` (a lookup per op: see g_view_mu)
   int64_t generation = 0;
   std::unordered_map<Key, std::shared_ptr<Entry>, KeyHash> table;
 
@@ -783,7 +785,7 @@ struct OpState final : c10::OperatorKernel {
   }
 
   std::shared_ptr<Entry> find(const Key& key) {
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<neuron_memory::SpinLock> lock(mu);
     if (generation != g_generation.load(std::memory_order_relaxed)) return nullptr;
     auto it = table.find(key);
     return it == table.end() ? nullptr : it->second;
@@ -792,7 +794,10 @@ struct OpState final : c10::OperatorKernel {
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
     const size_t n = kinds.size();
     const size_t base = stack->size() - n;
-    Key key;
+    // One key buffer per thread, as Typed's: a call nested in this one (fusion's flush, the Python kernel)
+    // reuses it, so after the lookup only a miss reads it, from a copy taken before anything else runs.
+    thread_local Key key;
+    key.clear();
     bool keyed = build_key(*stack, base, key);
     if (keyed) {
       std::shared_ptr<Entry> e = find(key);
@@ -808,7 +813,9 @@ struct OpState final : c10::OperatorKernel {
       }
       if (e) keyed = false;  // known: nothing to learn
     }
-    call_python(op, stack, base, keyed ? &key : nullptr);
+    if (!keyed) return call_python(op, stack, base, nullptr);
+    const Key own(key);
+    call_python(op, stack, base, &own);
   }
 
   // Queue a call fusion queues (see QNode). False, with nothing done, for a call the native queue does
@@ -1203,7 +1210,7 @@ struct OpState final : c10::OperatorKernel {
       e->inplace = py::hasattr(exe, "__neuron_inplace__");
       e->exe = exe.release().ptr();
     }
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<neuron_memory::SpinLock> lock(mu);
     int64_t g = g_generation.load();
     if (generation != g) {
       table.clear();
@@ -1820,7 +1827,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("to_neuron", &to_neuron, "A neuron tensor over a CPU tensor's memory");
   m.def("to_cpu", &to_cpu, "A CPU tensor over a neuron tensor's memory");
   m.def("has_cpu_view", [](const at::Tensor& t) {
-    std::lock_guard<std::mutex> lock(g_view_mu);
+    std::lock_guard<neuron_memory::SpinLock> lock(g_view_mu);
     auto* c = dynamic_cast<CpuView*>(t.unsafeGetTensorImpl()->get_backend_meta());
     return c != nullptr && fits(*c, t);
   }, "whether the native path keeps a CPU view of the tensor that still fits it (cpu_view)");
