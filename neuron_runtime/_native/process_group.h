@@ -72,6 +72,7 @@ struct Call {
     nbytes += static_cast<int64_t>(t.nbytes());
     return v;
   }
+  at::Tensor views(const at::Tensor& t) { return view(t); }
   TensorList views(const TensorList& ts) {
     TensorList out;
     out.reserve(ts.size());
@@ -232,104 +233,65 @@ class NeuronBackend : public c10d::Backend {
   }
 
   WorkPtr broadcast(TensorList& ts, const c10d::BroadcastOptions& o) override {
-    return run(kBroadcast, [&](Call& c) { auto v = c.views(ts); return gloo_->broadcast(v, o); });
+    return one(kBroadcast, ts, [&](TensorList& v) { return gloo_->broadcast(v, o); });
   }
   WorkPtr allreduce(TensorList& ts, const c10d::AllreduceOptions& o) override {
-    return run(kAllReduce, [&](Call& c) { auto v = c.views(ts); return gloo_->allreduce(v, o); });
+    return one(kAllReduce, ts, [&](TensorList& v) { return gloo_->allreduce(v, o); });
   }
   WorkPtr allreduce_coalesced(TensorList& ts, const c10d::AllreduceCoalescedOptions& o) override {
-    return run(kAllReduceCoalesced, [&](Call& c) { auto v = c.views(ts); return gloo_->allreduce_coalesced(v, o); });
+    return one(kAllReduceCoalesced, ts, [&](TensorList& v) { return gloo_->allreduce_coalesced(v, o); });
   }
   WorkPtr reduce(TensorList& ts, const c10d::ReduceOptions& o) override {
-    return run(kReduce, [&](Call& c) { auto v = c.views(ts); return gloo_->reduce(v, o); });
+    return one(kReduce, ts, [&](TensorList& v) { return gloo_->reduce(v, o); });
+  }
+  WorkPtr send(TensorList& ts, int dst, int tag) override {
+    return one(kSend, ts, [&](TensorList& v) { return gloo_->send(v, dst, tag); });
+  }
+  WorkPtr recv(TensorList& ts, int src, int tag) override {
+    return one(kRecv, ts, [&](TensorList& v) { return gloo_->recv(v, src, tag); });
+  }
+  WorkPtr recvAnysource(TensorList& ts, int tag) override {
+    return one(kRecv, ts, [&](TensorList& v) { return gloo_->recvAnysource(v, tag); });
   }
   WorkPtr allgather(TensorLists& outs, TensorList& ins, const c10d::AllgatherOptions& o) override {
-    return run(kAllGather, [&](Call& c) {
-      auto vo = c.views(outs);
-      auto vi = c.views(ins);
-      return gloo_->allgather(vo, vi, o);
-    });
+    return two(kAllGather, outs, ins, [&](auto& vo, auto& vi) { return gloo_->allgather(vo, vi, o); });
   }
   WorkPtr _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
-    return run(kAllGatherIntoTensor, [&](Call& c) {
-      auto vo = c.view(out);
-      auto vi = c.view(in);
-      return gloo_->_allgather_base(vo, vi, o);
-    });
+    return two(kAllGatherIntoTensor, out, in, [&](auto& vo, auto& vi) { return gloo_->_allgather_base(vo, vi, o); });
   }
   WorkPtr allgather_coalesced(TensorLists& outs, TensorList& ins, const c10d::AllgatherOptions& o) override {
-    return run(kAllGatherCoalesced, [&](Call& c) {
-      auto vo = c.views(outs);
-      auto vi = c.views(ins);
-      return gloo_->allgather_coalesced(vo, vi, o);
-    });
+    return two(kAllGatherCoalesced, outs, ins,
+               [&](auto& vo, auto& vi) { return gloo_->allgather_coalesced(vo, vi, o); });
   }
   WorkPtr allgather_into_tensor_coalesced(TensorList& outs, TensorList& ins, const c10d::AllgatherOptions& o) override {
-    return run(kAllGatherIntoTensorCoalesced, [&](Call& c) {
-      auto vo = c.views(outs);
-      auto vi = c.views(ins);
-      return gloo_->allgather_into_tensor_coalesced(vo, vi, o);
-    });
+    return two(kAllGatherIntoTensorCoalesced, outs, ins,
+               [&](auto& vo, auto& vi) { return gloo_->allgather_into_tensor_coalesced(vo, vi, o); });
   }
   WorkPtr gather(TensorLists& outs, TensorList& ins, const c10d::GatherOptions& o) override {
-    return run(kGather, [&](Call& c) {
-      auto vo = c.views(outs);
-      auto vi = c.views(ins);
-      return gloo_->gather(vo, vi, o);
-    });
+    return two(kGather, outs, ins, [&](auto& vo, auto& vi) { return gloo_->gather(vo, vi, o); });
   }
   WorkPtr scatter(TensorList& outs, TensorLists& ins, const c10d::ScatterOptions& o) override {
-    return run(kScatter, [&](Call& c) {
-      auto vo = c.views(outs);
-      auto vi = c.views(ins);
-      return gloo_->scatter(vo, vi, o);
-    });
+    return two(kScatter, outs, ins, [&](auto& vo, auto& vi) { return gloo_->scatter(vo, vi, o); });
   }
   WorkPtr reduce_scatter(TensorList& outs, TensorLists& ins, const c10d::ReduceScatterOptions& o) override {
-    return run(kReduceScatter, [&](Call& c) {
-      auto vo = c.views(outs);
-      auto vi = c.views(ins);
-      return gloo_->reduce_scatter(vo, vi, o);
-    });
+    return two(kReduceScatter, outs, ins, [&](auto& vo, auto& vi) { return gloo_->reduce_scatter(vo, vi, o); });
   }
   WorkPtr _reduce_scatter_base(at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
-    return run(kReduceScatterTensor, [&](Call& c) {
-      auto vo = c.view(out);
-      auto vi = c.view(in);
-      return gloo_->_reduce_scatter_base(vo, vi, o);
-    });
+    return two(kReduceScatterTensor, out, in,
+               [&](auto& vo, auto& vi) { return gloo_->_reduce_scatter_base(vo, vi, o); });
   }
   WorkPtr reduce_scatter_tensor_coalesced(TensorList& outs, TensorList& ins,
                                           const c10d::ReduceScatterOptions& o) override {
-    return run(kReduceScatterTensorCoalesced, [&](Call& c) {
-      auto vo = c.views(outs);
-      auto vi = c.views(ins);
-      return gloo_->reduce_scatter_tensor_coalesced(vo, vi, o);
-    });
+    return two(kReduceScatterTensorCoalesced, outs, ins,
+               [&](auto& vo, auto& vi) { return gloo_->reduce_scatter_tensor_coalesced(vo, vi, o); });
   }
   WorkPtr alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
                         std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& o) override {
-    return run(kAllToAllSingle, [&](Call& c) {
-      auto vo = c.view(out);
-      auto vi = c.view(in);
-      return gloo_->alltoall_base(vo, vi, out_splits, in_splits, o);
-    });
+    return two(kAllToAllSingle, out, in,
+               [&](auto& vo, auto& vi) { return gloo_->alltoall_base(vo, vi, out_splits, in_splits, o); });
   }
   WorkPtr alltoall(TensorList& outs, TensorList& ins, const c10d::AllToAllOptions& o) override {
-    return run(kAllToAll, [&](Call& c) {
-      auto vo = c.views(outs);
-      auto vi = c.views(ins);
-      return gloo_->alltoall(vo, vi, o);
-    });
-  }
-  WorkPtr send(TensorList& ts, int dst, int tag) override {
-    return run(kSend, [&](Call& c) { auto v = c.views(ts); return gloo_->send(v, dst, tag); });
-  }
-  WorkPtr recv(TensorList& ts, int src, int tag) override {
-    return run(kRecv, [&](Call& c) { auto v = c.views(ts); return gloo_->recv(v, src, tag); });
-  }
-  WorkPtr recvAnysource(TensorList& ts, int tag) override {
-    return run(kRecv, [&](Call& c) { auto v = c.views(ts); return gloo_->recvAnysource(v, tag); });
+    return two(kAllToAll, outs, ins, [&](auto& vo, auto& vi) { return gloo_->alltoall(vo, vi, o); });
   }
   WorkPtr barrier(const c10d::BarrierOptions& o) override {
     c10d::BarrierOptions cpu = o;
@@ -351,6 +313,23 @@ class NeuronBackend : public c10d::Backend {
   void shutdown() override { gloo_->shutdown(); }
 
  private:
+  // A collective of one tensor list, and one of outputs and inputs: gloo's `call` on their views.
+  template <typename F>
+  WorkPtr one(Coll coll, const TensorList& ts, F&& call) {
+    return run(coll, [&](Call& c) {
+      auto v = c.views(ts);
+      return call(v);
+    });
+  }
+  template <typename Out, typename In, typename F>
+  WorkPtr two(Coll coll, const Out& outs, const In& ins, F&& call) {
+    return run(coll, [&](Call& c) {
+      auto vo = c.views(outs);
+      auto vi = c.views(ins);
+      return call(vo, vi);
+    });
+  }
+
   // Issue one collective: views, gloo's call, errors that name it, the counters, the coalescing block.
   template <typename F>
   WorkPtr run(Coll coll, F&& issue) {
