@@ -339,9 +339,8 @@ class NeuronBackend : public c10d::Backend {
       inner = issue(*call);
     } catch (const c10::ValueError&) {
       throw;  // the wrong device (Call::view) or gloo's own argument checks: as they are
-    } catch (const c10::Error& e) {
-      throw c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                                  c10::str(kNames[coll], " failed on rank ", rank_, ": ", e.what_without_backtrace()));
+    } catch (const c10::Error&) {
+      std::rethrow_exception(call->error(std::current_exception()));  // as a failure after issuing would be
     }
     g_counts[coll].calls.fetch_add(1, std::memory_order_relaxed);
     g_counts[coll].bytes.fetch_add(call->nbytes, std::memory_order_relaxed);

@@ -19,7 +19,6 @@ BACKEND = "neuron"
 _registered = False
 
 
-
 def register() -> None:
     """Idempotent: make `neuron` a c10d backend and the default backend of `neuron` tensors."""
     global _registered
