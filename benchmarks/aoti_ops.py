@@ -26,8 +26,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from neuron_runtime import _dispatch, _ops, _signature  # noqa: E402
+from neuron_runtime.aten import _dispatch
 from neuron_runtime.compiler._aoti import AotiCompiler  # noqa: E402
+from neuron_runtime.signatures import _ops, _signature  # noqa: E402
 
 torch.set_num_threads(1)
 

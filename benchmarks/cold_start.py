@@ -39,7 +39,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     import neuron_runtime
-    from neuron_runtime import _dispatch
+    from neuron_runtime.aten import _dispatch
 
     torch.manual_seed(0)
     wide = args.variant == "wide"
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"tier": args.tier, "steps": args.steps, "cpus": os.cpu_count(),
                            "load_before": os.getloadavg()}
     # The aoti fingerprint is computed once per torch install (Inductor's import): not part of any case.
-    subprocess.run([sys.executable, "-c", "from neuron_runtime import _dispatch; _dispatch.runtime()"],
+    subprocess.run([sys.executable, "-c", "from neuron_runtime.aten import _dispatch; _dispatch.runtime()"],
                    env=case.env(root / "fingerprint"), check=True)
     try:
         keys: list[str] = []

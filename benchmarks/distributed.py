@@ -80,7 +80,7 @@ def _cold() -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import neuron_runtime
-    from neuron_runtime import _dispatch
+    from neuron_runtime.aten import _dispatch
 
     dist.init_process_group("neuron")
     torch.manual_seed(0)

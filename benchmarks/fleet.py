@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 JOB = """
 import json, os, sys, time, torch, neuron_runtime
-from neuron_runtime import _dispatch
+from neuron_runtime.aten import _dispatch
 t0 = time.perf_counter()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to('neuron')

@@ -157,8 +157,8 @@ print("RESULT " + json.dumps(out))
 
 KERNELS = r"""
 import json, statistics, sys, time, torch
-from neuron_runtime import _ops, _shapes, _signature
 from neuron_runtime.compiler import get_compiler
+from neuron_runtime.signatures import _ops, _shapes, _signature
 torch.set_num_threads(1)
 rounds, n = int(sys.argv[1]), int(sys.argv[2])
 comp = get_compiler(sys.argv[3])
@@ -171,7 +171,7 @@ for name, (op, make) in cases.items():
     values = make()
     sig = _signature.build(info, values)
     exes = {"static": comp.load(comp.compile(sig)), "generic": comp.load(comp.compile(_shapes.shape_class(sig)))}
-    from neuron_runtime._dispatch import flatten
+    from neuron_runtime.aten._dispatch import flatten
     tensors, scalars = flatten(info, values)
     times = {k: [] for k in exes}
     for _ in range(rounds):

@@ -23,13 +23,15 @@ def _load() -> None:
     global _loaded
     if _loaded:
         return
-    from . import _autocast, _conflicts, _device, _kernels, _rnn, _shims, _stats, distributed
+    from .device import _autocast, _conflicts, _register, _rnn, _shims
+    from .aten import _kernels
+    from . import _stats, distributed
 
     _conflicts.check()
     _configure_logging()
-    _device.register()
+    _register.register()
     _kernels.register_all()
-    _autocast.install(_device.DEVICE)
+    _autocast.install(_register.DEVICE)
     _shims.install()
     _rnn.install()
     _stats.install_exit_hook()
@@ -48,7 +50,7 @@ def _start_prefetch() -> None:
     import threading
 
     def make() -> None:
-        from . import _dispatch
+        from .aten import _dispatch
 
         try:
             _dispatch.runtime()
@@ -76,14 +78,14 @@ def _configure_logging() -> None:
 def stats() -> dict[str, Any]:
     """Counters of this process as a JSON-serialisable dict (executions, compiles, fallbacks, corrupt,
     hits per tier, collectives run through `neuron` process groups, ...)."""
-    from . import _dispatch
+    from .aten import _dispatch
 
     return _dispatch.runtime().stats()
 
 
 def fallback_ops() -> list[str]:
     """Ops that ran on the host because they could not be compiled (one warning each)."""
-    from . import _dispatch
+    from .aten import _dispatch
 
     return sorted(_dispatch.runtime().fallback_ops)
 
@@ -92,14 +94,14 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     """Block until every executable this process asked the background compile service for is compiled
     and loaded (then the job's ops all run compiled). True when done, False if `timeout` seconds ran
     out first. Returns at once in `sync` mode (TORCH_NEURONX_COMPILE_MODE)."""
-    from . import _dispatch
+    from .aten import _dispatch
 
     return _dispatch.runtime().resolver.wait(timeout)
 
 
 def reset() -> None:
     """Re-read the environment and start with empty in-process caches and counters."""
-    from . import _dispatch
+    from .aten import _dispatch
 
     _dispatch.reset_runtime()
 

@@ -12,7 +12,7 @@ _installed = False
 
 
 def write(path: str) -> None:
-    from . import _dispatch
+    from .aten import _dispatch
 
     data = json.dumps(_dispatch.runtime().stats(), indent=2, sort_keys=True)
     d = os.path.dirname(os.path.abspath(path))
@@ -24,7 +24,7 @@ def write(path: str) -> None:
 
 
 def _at_exit() -> None:
-    from . import _dispatch
+    from .aten import _dispatch
 
     if _dispatch._runtime is None:
         return  # nothing ran on the device (e.g. a tool that only imported torch): no counters to write

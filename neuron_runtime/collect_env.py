@@ -15,7 +15,9 @@ def collect() -> dict[str, Any]:
     import torch
 
     import neuron_runtime
-    from neuron_runtime import _config, _device, _dispatch, _native
+    from neuron_runtime import _config, _native
+    from neuron_runtime.aten import _dispatch
+    from neuron_runtime.device._torch_neuron import DEVICE
 
     cfg = _config.get()
     info: dict[str, Any] = {
@@ -27,8 +29,8 @@ def collect() -> dict[str, Any]:
         "torch_git": getattr(torch.version, "git_version", None),
         "device": {
             "privateuse1_backend": torch._C._get_privateuse1_backend_name(),
-            "registered": hasattr(torch, _device.DEVICE),
-            "available": bool(getattr(torch, _device.DEVICE).is_available()) if hasattr(torch, _device.DEVICE) else False,
+            "registered": hasattr(torch, DEVICE),
+            "available": bool(getattr(torch, DEVICE).is_available()) if hasattr(torch, DEVICE) else False,
             "accelerator": str(torch.accelerator.current_accelerator()),
             "autoload": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1"),
             "native_hit_path": _native.status(),

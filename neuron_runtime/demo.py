@@ -39,7 +39,7 @@ def _train(steps: int, max_seconds: float, exact: bool = False) -> dict[str, obj
                 print(f"  [{time.strftime('%H:%M:%S')}] compile #{SyncProgress.n}: {record.args[0]}",  # type: ignore[index]
                       file=sys.stderr, flush=True)
 
-    log = logging.getLogger("neuron_runtime._resolver")
+    log = logging.getLogger("neuron_runtime.executables._resolver")
     log.addHandler(SyncProgress())
     log.setLevel(logging.INFO)
 

@@ -8,10 +8,10 @@ API (`trace`, ...): importing it only makes sure the runtime is loaded.
 
 AWS's `torch-neuronx` distribution uses the same import name. Installed side by side, one would
 overwrite the other's files; neuron-runtime refuses to load then, with an error naming both
-(`neuron_runtime._conflicts`). See README ("Hugging Face").
+(`neuron_runtime.device._conflicts`). See README ("Hugging Face").
 """
 
-from neuron_runtime import _conflicts
+from neuron_runtime.device import _conflicts
 
 _conflicts.check()
 

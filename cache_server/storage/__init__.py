@@ -6,6 +6,7 @@ anything that can block for long (fsync, network) is awaited.
 
 from __future__ import annotations
 
-from ._base import EntryInfo, Storage, Writer, open_storage
+from ._base import EntryInfo, Storage, Writer
+from ._open import open_storage
 
 __all__ = ["EntryInfo", "Storage", "Writer", "open_storage"]

@@ -71,14 +71,3 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def usage(self) -> tuple[int, int]:
         """(entries, bytes) as this replica knows them."""
-
-
-def open_storage(spec: str, max_bytes: int) -> Storage:
-    """`s3://bucket/prefix` → S3 storage (s3fs), anything else → a local directory."""
-    if spec.startswith("s3://"):
-        from .s3 import S3Storage
-
-        return S3Storage(spec, max_bytes)
-    from .disk import DiskStorage
-
-    return DiskStorage(spec, max_bytes)

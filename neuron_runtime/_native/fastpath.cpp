@@ -417,7 +417,7 @@ c10::Scalar wrapped_value(const at::Tensor& t) {
 // called with the tensors, then each run-time Scalar as a 0-d tensor of `scalar_dtypes`; numbers in
 // tensor slots (`wrapped`, by index in the tensor list) as 0-d tensors of their dtype. The runner is
 // owned by the executable (its Python loader), which the holder keeps alive. `flat`: the kernel of a
-// flat shape class (neuron_runtime/_shapes.py, the rank-collapse rule), a 1-D kernel called on 1-D views
+// flat shape class (neuron_runtime/signatures/_shapes.py, the rank-collapse rule), a 1-D kernel called on 1-D views
 // of the inputs (which all have the same sizes and dense strides), its outputs viewed back with the first
 // input's sizes and strides; inputs already 1-D and contiguous are passed as they are.
 // `written`: an in-place kernel's inputs it stores into (compiler/_aoti.py, `_InPlace`); it was compiled
@@ -573,7 +573,7 @@ struct OpState;
 
 // ---------------------------------------------------------------------------------------------------
 // The native fusion queue (TORCH_NEURONX_ENABLE_CONCATENATION=1 with this file loaded). Fusion's logic
-// stays in Python (neuron_runtime/fusion.py); this is its hit path. A call Python says to queue is
+// stays in Python (neuron_runtime/aten/_fusion.py); this is its hit path. A call Python says to queue is
 // queued here: its outputs are allocated from the metadata Python learned, an in-place op returns its
 // argument. Python's queue holds one marker while this one is not empty, so every flush trigger it
 // knows reaches `run_queue`. There, the group's structure (each op's table entry and how its tensors
@@ -1405,7 +1405,7 @@ std::shared_ptr<GroupExe> group_exe(py::handle exe) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// torch.compile graphs (neuron_runtime/_compile.py, `GraphPlan`): a graph's executable called with one
+// torch.compile graphs (neuron_runtime/graphs/_compile.py, `GraphPlan`): a graph's executable called with one
 // Python call instead of a CPU view and a relabel in Python per tensor (about 40 us a call for the MLP's
 // forward graph). `inputs[i]`: the placeholder feeding executable input i, or -(k + 1) for the graph's
 // constant tensor `consts[k]` (a neuron tensor goes in as its CPU view, a CPU tensor as it is);

@@ -29,11 +29,12 @@ import tarfile
 import time
 from typing import Any
 
-from neuron_runtime import _record, _signature
 from neuron_runtime.cache import CacheError, IntegrityError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, BundleError, UsageError
 from neuron_runtime.cli._inspect import check_entry
+from neuron_runtime.executables import _record
+from neuron_runtime.signatures import _signature
 
 FORMAT = "neuron-cache-bundle"
 VERSION = 1
@@ -78,7 +79,7 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
 def _wanted_keys(args: argparse.Namespace, cfg: Any) -> set[str] | None:
     if not args.manifest:
         return None
-    from neuron_runtime.cli._warm import make_compiler
+    from neuron_runtime.compiler import make_compiler
 
     fp = make_compiler(cfg).fingerprint()
     try:

@@ -35,9 +35,10 @@ import re
 import sys
 from typing import Any
 
-from neuron_runtime import _ops, _record, _shapes, _signature
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, UsageError
+from neuron_runtime.executables import _record
+from neuron_runtime.signatures import _ops, _shapes, _signature
 
 # Fingerprint field -> the name users know it by.
 FINGERPRINT_PARTS = {
@@ -248,7 +249,7 @@ def _fingerprint(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
         if not isinstance(fp, dict):
             raise UsageError("--fingerprint: expected a JSON object")
         return fp
-    from neuron_runtime.cli._warm import make_compiler
+    from neuron_runtime.compiler import make_compiler
 
     return make_compiler(cfg).fingerprint()
 

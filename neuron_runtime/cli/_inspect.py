@@ -16,10 +16,11 @@ import sys
 import time
 from typing import Any
 
-from neuron_runtime import _config, _shapes, envelope
+from neuron_runtime import _config, envelope
 from neuron_runtime.cache import CacheError, IntegrityError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, UsageError
+from neuron_runtime.signatures import _shapes
 
 
 def add_parsers(sub: Any) -> None:
@@ -208,7 +209,7 @@ def check_entry(key: str, data: bytes, signing_key: bytes | None) -> envelope.En
     """Everything `verify` and `import` check: the envelope (magic, lengths, digest, HMAC when a key is
     set, header key) and that the header's signature and fingerprint hash to the key, so an entry cannot
     claim to be something it was not compiled for."""
-    from neuron_runtime import _signature
+    from neuron_runtime.signatures import _signature
 
     entry = envelope.unpack(data, expected_key=key, signing_key=signing_key)
     try:

@@ -24,7 +24,7 @@ def add_parsers(sub: Any) -> None:
 
 
 def services() -> list[dict[str, Any]]:
-    from neuron_runtime._service._client import ask, service_dir
+    from neuron_runtime.executables._service._client import ask, service_dir
 
     out = []
     for path in sorted(glob.glob(os.path.join(service_dir(), "*.sock"))):

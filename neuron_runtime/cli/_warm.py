@@ -31,24 +31,15 @@ import threading
 import time
 from typing import Any
 
-from neuron_runtime import _config, _record, _shapes, _signature, envelope
+from neuron_runtime import _config, envelope
 from neuron_runtime.cache import CacheError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, JobError, UsageError
-from neuron_runtime.compiler import Compiler
+from neuron_runtime.compiler import make_compiler
+from neuron_runtime.executables import _record
+from neuron_runtime.signatures import _shapes, _signature
 
 log = logging.getLogger(__name__)
-
-
-def make_compiler(cfg: _config.Config) -> Compiler:
-    """The target tier's compiler, configured from `cfg` rather than the process environment."""
-    if cfg.compiler == "aoti":
-        from neuron_runtime.compiler._aoti import AotiCompiler
-
-        return AotiCompiler(march=cfg.aoti_march, simdlen=cfg.aoti_simdlen, local_cache_dir=cfg.local_cache_dir)
-    from neuron_runtime.compiler import get_compiler
-
-    return get_compiler(cfg.compiler)
 
 
 def add_parsers(sub: Any) -> None:
@@ -332,7 +323,7 @@ class _Pool:
         self.progress = progress
 
     def run(self, tasks: list[tuple[int, dict[str, Any]]], names: list[str]) -> dict[int, dict[str, Any]]:
-        from neuron_runtime._service._server import WorkerPool
+        from neuron_runtime.executables._service._server import WorkerPool
 
         work: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
         for i, sig in tasks:
@@ -358,7 +349,7 @@ class _Pool:
                 if len(results) == len(tasks):
                     all_done.set()
 
-        pool = WorkerPool(self.n, [sys.executable, "-m", "neuron_runtime._service._worker"], self.env,
+        pool = WorkerPool(self.n, [sys.executable, "-m", "neuron_runtime.executables._service._worker"], self.env,
                           self.timeout, next_task, on_event)
         try:
             while not all_done.wait(0.2) and any(t.is_alive() for t in pool.threads):

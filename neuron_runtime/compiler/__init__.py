@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from .. import _config
 from ._base import CompileRefused, Compiler, Executable
 
-__all__ = ["CompileRefused", "Compiler", "Executable", "get_compiler"]
+__all__ = ["CompileRefused", "Compiler", "Executable", "get_compiler", "make_compiler"]
 
 
 def get_compiler(name: str) -> Compiler:
@@ -17,3 +18,12 @@ def get_compiler(name: str) -> Compiler:
 
         return AotiCompiler()
     raise ValueError(f"unknown compiler tier {name!r}: choose 'aoti' or 'reference' (TORCH_NEURONX_COMPILER)")
+
+
+def make_compiler(cfg: _config.Config) -> Compiler:
+    """The target tier's compiler, configured from `cfg` rather than the process environment."""
+    if cfg.compiler == "aoti":
+        from ._aoti import AotiCompiler
+
+        return AotiCompiler(march=cfg.aoti_march, simdlen=cfg.aoti_simdlen, local_cache_dir=cfg.local_cache_dir)
+    return get_compiler(cfg.compiler)

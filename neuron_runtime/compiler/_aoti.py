@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from .. import _config, _ops, _shapes, _signature
+from .. import _config
+from ..signatures import _ops, _shapes, _signature
 from . import _toolchain
 from ._base import CompileRefused, Compiler, Executable
 from ._reference import _resolve, build_call, build_graph
@@ -140,7 +141,7 @@ class AotiCompiler(Compiler):
         cls = signature if _shapes.is_class(signature) else None
         exact = _shapes.example(cls) if cls is not None else signature
         into = [int(i) for _, i in exact.get("into", [])]  # inputs a fused group writes in place
-        if "graph" in exact:  # a fused group (neuron_runtime.fusion) or a torch.compile graph
+        if "graph" in exact:  # a fused group (neuron_runtime.aten._fusion) or a torch.compile graph
             run = build_graph(exact, wrapped_as_tensors=True,
                               choose=lambda sig, op: _per_element(sig["op"], op, sig) or _VIEWS.get(sig["op"], op))
             flat = graph_inputs(exact)

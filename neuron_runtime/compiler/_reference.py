@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .. import _ops, _signature
+from ..signatures import _ops, _signature
 from ._base import CompileRefused, Compiler, Executable
 
 
@@ -130,7 +130,7 @@ class ReferenceCompiler(Compiler):
 
 def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
                 choose: Callable[[dict[str, Any], Any], Any] | None = None) -> Executable:
-    """A fused group (see `neuron_runtime.fusion`): its ops in order, each reading the group's inputs
+    """A fused group (see `neuron_runtime.aten._fusion`): its ops in order, each reading the group's inputs
     (`["e", i]`) or an earlier op's result (`["n", j]`: its output 0, `["n", j, k]`: its output k, an
     element of a `_foreach_` op's list); returns the results listed in `outputs` (`j` or `[j, k]`), and
     writes those listed in `into` (`[result, i]`) into input `i` in place. Intermediates pass from op to

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .. import _dispatch
+from ..aten import _dispatch
 from ._skips import ANY_DEVICE, CPU_ARGS, METADATA_ONLY, NO_BACKWARD, NO_INPLACE, NO_OUT, SKIP
 
 DEVICE = "neuron"
@@ -467,7 +467,7 @@ def cuda_only_reference(op: Any, dtype: torch.dtype, sample: tuple[Any, Any, Any
     """What CUDA computes for a dtype the CPU kernel lacks: CPU in the nearest wider dtype it accepts
     (float16/bfloat16 -> float32, complex32 -> complex64, ints -> int64 -> float64, bool -> int64), the
     results in the dtypes the op's meta kernel gives for the original inputs (as CUDA returns them)."""
-    from .. import _widen
+    from ..aten import _widen
 
     inp, args, kwargs = sample
     fn = op

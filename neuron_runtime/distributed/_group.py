@@ -18,7 +18,8 @@ import datetime
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from .. import _hostmem, _native
+from .. import _native
+from .._native import _hostmem
 from . import BACKEND
 
 

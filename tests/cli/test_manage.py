@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 
-from neuron_runtime import _signature, envelope
+from neuron_runtime import envelope
 from neuron_runtime.cache import LocalCache, SharedPathStore
 from neuron_runtime.cli import main
 from neuron_runtime.compiler import get_compiler
+from neuron_runtime.signatures import _signature
 
 FP = get_compiler("reference").fingerprint()
 
@@ -415,7 +416,7 @@ def test_fleet_commands_on_s3(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_ls_and_explain_know_shape_classes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from neuron_runtime import _shapes
+    from neuron_runtime.signatures import _shapes
 
     local = tmp_path / "local"
     cls = _shapes.shape_class(ADD)

@@ -69,7 +69,7 @@ def device_run(aoti_root: Path) -> Iterator[subprocess.Popen[str]]:
         # An in-place foreach op (an optimizer's update): its kernel stores into the tensors themselves,
         # natively from the second call on; calls whose written tensors overlap another argument run the
         # in-place op on the host instead, and every call equals CPU's.
-        from neuron_runtime import _hostmem
+        from neuron_runtime._native import _hostmem
         base = [torch.randn(5, 3, device="cpu"), torch.randn(7, device="cpu")]
         other = [torch.randn(5, 3, device="cpu"), torch.randn(7, device="cpu")]
         def check(fn, xs, ys):

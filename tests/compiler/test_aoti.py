@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_runtime import _dispatch, _ops, _shapes, _signature
+from neuron_runtime.aten import _dispatch
 from neuron_runtime.compiler import CompileRefused
 from neuron_runtime.compiler._aoti import META_PATH, AotiCompiler, ArtifactMismatch, read_meta
 from neuron_runtime.compiler._reference import build_call
+from neuron_runtime.signatures import _ops, _shapes, _signature
 
 pytestmark = pytest.mark.aoti
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +55,7 @@ def compiled(device_run: subprocess.Popen[str], aoti_compiler: AotiCompiler) -> 
         "sum": Compiled(aoti_compiler, "aten::sum.dim_IntList", torch.randn(6, 10), [1], False, None),
         # an int tensor times a Python float (a wrapped number: `i * 2.5`)
         "wrapped": Compiled(aoti_compiler, "aten::mul.Tensor", torch.arange(6), 2.5),
-        # a fused group (neuron_runtime.fusion): relu(x * 2) + alpha * y, one executable
+        # a fused group (neuron_runtime.aten._fusion): relu(x * 2) + alpha * y, one executable
         "graph": CompiledGraph(aoti_compiler, _graph_signature()),
         # a fused group of foreach ops (an optimizer's update): list elements wired one by one
         "foreach_graph": CompiledGraph(aoti_compiler, _foreach_graph_signature()),
@@ -347,7 +348,7 @@ def test_in_place_foreach_kernel_writes_the_tensors_and_never_runs_on_overlappin
     ip = stats["in_place"]
     assert ip["compiles"] == 1, ip  # the aliasing calls' values are checked in the process itself
     assert not stats["fallback_ops"], stats["fallback_ops"]
-    from neuron_runtime import _hostmem
+    from neuron_runtime._native import _hostmem
     if _hostmem.NATIVE is not None:
         assert ip["native"] >= 2, ip  # calls 3 and 4 (the second one teaches the native table)
 
@@ -410,7 +411,7 @@ def test_native_runner_passes_scalars_after_tensors(aoti_root: Path) -> None:
     passed them in schema order: AOTInductor failed on every call and the Python kernel took over)."""
     script = textwrap.dedent("""
         import json, torch, neuron_runtime
-        from neuron_runtime import _hostmem
+        from neuron_runtime._native import _hostmem
         x = torch.rand(8)
         got = [torch.pow(1.5, x.to("neuron")).cpu() for _ in range(4)]
         print(json.dumps({"ok": all(torch.allclose(g, torch.pow(1.5, x)) for g in got),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import neuron_runtime
-from neuron_runtime import _dispatch
+from neuron_runtime.aten import _dispatch
 
 DEV = "neuron"
 

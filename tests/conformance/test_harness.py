@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_runtime import _dispatch, _shapes
+from neuron_runtime.aten import _dispatch
 from neuron_runtime.compiler import CompileRefused
 from neuron_runtime.compiler._reference import ReferenceCompiler
 from neuron_runtime.conformance import _runner
 from neuron_runtime.conformance._check import check_cuda_dtype, check_op, op_key
 from neuron_runtime.conformance._runner import coverage_map, markdown, select
+from neuron_runtime.signatures import _shapes
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import neuron_runtime
-from neuron_runtime import _dispatch
+from neuron_runtime.aten import _dispatch
 
 DEV = "neuron"
 SCENARIO = os.environ.get("DIST_SCENARIO", "api")

@@ -15,7 +15,7 @@ import time
 import torch
 
 import neuron_runtime
-from neuron_runtime import _dispatch
+from neuron_runtime.aten import _dispatch
 
 
 def main() -> None:

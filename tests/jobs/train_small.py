@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from neuron_runtime import _dispatch
+from neuron_runtime.aten import _dispatch
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to("neuron")

@@ -9,7 +9,7 @@ import sys
 import torch
 
 import neuron_runtime
-from neuron_runtime import _kernels
+from neuron_runtime.aten import _kernels
 
 D = "neuron"
 
@@ -226,7 +226,7 @@ def main() -> int:
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     out["stats"] = neuron_runtime.stats()
-    from neuron_runtime import _hostmem
+    from neuron_runtime._native import _hostmem
 
     out["native"] = None if _hostmem.NATIVE is None else _hostmem.NATIVE.fusion_counters()
     print(json.dumps(out))

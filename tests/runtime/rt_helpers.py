@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import neuron_runtime
-from neuron_runtime import _config, _dispatch
+from neuron_runtime import _config
+from neuron_runtime.aten import _dispatch
 
 DEV = "neuron"
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import neuron_runtime
-from neuron_runtime import _compile, _dispatch, _graph, _signature
+from neuron_runtime.aten import _dispatch
+from neuron_runtime.graphs import _compile, _graph
+from neuron_runtime.signatures import _signature
 
 DEV = "neuron"
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import neuron_runtime
-from neuron_runtime import _dispatch, _kernels, _signature
+from neuron_runtime.aten import _dispatch, _kernels
 from neuron_runtime.compiler import CompileRefused
 from neuron_runtime.compiler._reference import ReferenceCompiler
+from neuron_runtime.signatures import _signature
 from rt_helpers import DEV, assert_same, run_python
 
 

@@ -11,8 +11,10 @@ import torch
 from rt_helpers import DEV, assert_same
 
 import neuron_runtime
-from neuron_runtime import _dispatch, _hostmem, _ops
+from neuron_runtime._native import _hostmem
+from neuron_runtime.aten import _dispatch
 from neuron_runtime.compiler._reference import ReferenceCompiler
+from neuron_runtime.signatures import _ops
 
 SHAPES = [(16, 8), (8,), (8, 24), (24,), (4, 4, 2), ()]
 
@@ -156,7 +158,7 @@ def test_fused_adamw_on_a_tier_without_writes_inputs_equals_cpu(fresh_runtime: _
 
 def test_in_place_signatures_are_their_own_keys(fresh_runtime: _dispatch.Runtime) -> None:
     """The in-place signature names the mutating op and what it writes: never the functional one's key."""
-    from neuron_runtime import _signature
+    from neuron_runtime.signatures import _signature
 
     info = _ops.classify("aten::_foreach_mul_.Scalar")
     assert info.writes_lists and not _ops.classify("aten::add_.Tensor").writes_lists

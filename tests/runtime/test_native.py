@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import neuron_runtime
-from neuron_runtime import _dispatch, _hostmem, _native
+from neuron_runtime import _native
+from neuron_runtime._native import _hostmem
+from neuron_runtime.aten import _dispatch
 from rt_helpers import DEV, assert_same, fresh_runtime, run_python, run_script
 
 JOB = Path(__file__).resolve().parent.parent / "jobs" / "train_small.py"
@@ -162,7 +164,7 @@ def test_python_path_gives_the_same_training(tmp_path: Path) -> None:
 
 
 def test_disabled_native_layer_is_reported() -> None:
-    r = run_python("import json, torch\nfrom neuron_runtime import _hostmem, collect_env\n"
+    r = run_python("import json, torch\nfrom neuron_runtime import collect_env\nfrom neuron_runtime._native import _hostmem\n"
                    "print(json.dumps([_hostmem.NATIVE is None, collect_env.collect()['device']['native_hit_path']]))",
                    env={"TORCH_NEURONX_NATIVE": "0"})
     assert r.returncode == 0, r.stderr
@@ -171,7 +173,7 @@ def test_disabled_native_layer_is_reported() -> None:
 
 def test_without_a_compiler_every_op_takes_the_python_path(tmp_path: Path) -> None:
     r = run_python("import torch, warnings\n"
-                   "from neuron_runtime import _hostmem\n"
+                   "from neuron_runtime._native import _hostmem\n"
                    "x = torch.arange(4.0, device='neuron')\n"
                    "print(_hostmem.NATIVE is None, (x * 2 + 1).cpu().tolist())",
                    env={"CXX": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path / "cache"),

@@ -1,4 +1,4 @@
-"""Shape classes (neuron_runtime/_shapes.py): the class rules, and the runtime serving a new shape of a
+"""Shape classes (neuron_runtime/signatures/_shapes.py): the class rules, and the runtime serving a new shape of a
 known class without a compile, never a shape outside it (reference tier; the aoti side is in
 tests/compiler/test_aoti.py)."""
 
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import neuron_runtime
-from neuron_runtime import _config, _dispatch, _ops, _shapes, _signature
+from neuron_runtime import _config
+from neuron_runtime.aten import _dispatch
+from neuron_runtime.signatures import _ops, _shapes, _signature
 from rt_helpers import DEV, assert_same
 
 
@@ -237,7 +239,7 @@ def test_a_fused_group_of_elementwise_ops_has_one_flat_class() -> None:
 
 
 def test_a_class_line_without_its_example_is_a_clear_error() -> None:
-    from neuron_runtime import _record
+    from neuron_runtime.executables import _record
 
     cls = cls_of("aten::neg", torch.randn(3, 4))
     assert _record.check_signature(cls) is cls
@@ -312,7 +314,7 @@ def test_a_flat_executable_runs_its_kernel_on_flat_views_and_views_results_back(
 
 
 def _native_executions() -> int:
-    from neuron_runtime import _hostmem
+    from neuron_runtime._native import _hostmem
 
     return 0 if _hostmem.NATIVE is None else int(_hostmem.NATIVE.executions())
 
@@ -357,7 +359,7 @@ def test_zero_of_every_rank_compiles_once_and_what_differs_statically_compiles(r
 
 
 def _hostmem_native() -> bool:
-    from neuron_runtime import _hostmem
+    from neuron_runtime._native import _hostmem
 
     return _hostmem.NATIVE is not None
 

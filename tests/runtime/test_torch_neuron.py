@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from neuron_runtime import _hostmem
+from neuron_runtime._native import _hostmem
 
 from rt_helpers import DEV, run_python
 
@@ -77,7 +77,7 @@ def test_outputs_of_the_native_hit_path_are_counted_and_uncounted() -> None:
 
 @native
 def test_memory_of_a_cpu_view_of_neuron_memory_is_counted_once() -> None:
-    from neuron_runtime._hostmem import to_cpu, to_neuron
+    from neuron_runtime._native._hostmem import to_cpu, to_neuron
 
     gc.collect()
     base = torch.neuron.memory_allocated()

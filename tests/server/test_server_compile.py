@@ -51,7 +51,7 @@ def test_fresh_host_on_a_warm_grpc_store_compiles_no_graph(server: ServerProc, t
 def test_server_killed_mid_run_never_fails_a_compiled_step(
         server: ServerProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import neuron_runtime
-    from neuron_runtime import _dispatch
+    from neuron_runtime.aten import _dispatch
 
     monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", f"grpc://{server.address}")
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_runtime import _ops, _signature
-from neuron_runtime._service import _client, _server
 from neuron_runtime.compiler import get_compiler
+from neuron_runtime.executables._service import _client, _server
+from neuron_runtime.signatures import _ops, _signature
 
 
 class Client:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import _ops, _signature
+from ..signatures import _ops, _signature
 
 _DEVICE = "neuron"
 

@@ -2,7 +2,7 @@
 
 Standard library only, and started by path (`python .../_server.py`), so the service itself never
 imports torch: it queues, de-duplicates and hands signatures to worker processes (`_worker.py`), which
-do the compiling. Protocol and lifecycle: see `neuron_runtime._service`.
+do the compiling. Protocol and lifecycle: see `neuron_runtime.executables._service`.
 
     clients (training processes) ──JSON lines over a Unix socket──▶ Server
          ▲                                                           │ one job per key, a bounded queue
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-log = logging.getLogger("neuron_runtime._service")
+log = logging.getLogger("neuron_runtime.executables._service")
 
 PROTOCOL = 1
 
@@ -476,7 +476,7 @@ class Server:
 
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="neuron-compile-service", description="The host's compile service "
-                                "(started on demand by the runtime; see neuron_runtime._service).")
+                                "(started on demand by the runtime; see neuron_runtime.executables._service).")
     p.add_argument("--socket", required=True, help="Unix socket path to serve on")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--timeout", type=float, default=None, help="seconds one compile may take")
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("TORCH_NEURONX_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s neuron-compile-service %(levelname)s: %(message)s")
     env = dict(os.environ)
-    worker = [args.python, "-m", "neuron_runtime._service._worker", "--nice", str(args.nice)]
+    worker = [args.python, "-m", "neuron_runtime.executables._service._worker", "--nice", str(args.nice)]
     server = Server(args.socket, max(1, args.workers), worker, env, args.timeout, args.idle_timeout, args.max_queue)
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)

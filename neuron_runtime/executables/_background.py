@@ -28,13 +28,12 @@ import sys
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import _config, _entries, _manifest, _signature
-from .compiler import CompileRefused, Executable
-
-if TYPE_CHECKING:
-    from ._resolver import Resolver
+from .. import _config
+from ..compiler import CompileRefused, Executable
+from ..signatures import _signature
+from . import _entries, _manifest
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,9 @@ class _Job:
 
 
 class Background:
-    def __init__(self, resolver: Resolver) -> None:
+    def __init__(self, resolver: Any) -> None:
+        # `resolver`: the `_resolver.Resolver` that made this object and calls into it (not imported here:
+        # that module imports this one).
         self.resolver = resolver
         self.cfg = resolver.cfg
         self.cv = threading.Condition()
@@ -471,7 +472,7 @@ def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[s
     fingerprint, tiers, signing key, timeouts), so all of that is in the socket's name. The socket
     lives in a private directory of this user's (`/tmp/neuron-runtime-<uid>`, mode 0o700): nobody
     else can talk to it (Unix socket paths are short, so it cannot live in the cache directory)."""
-    from . import __file__ as package_file, __version__
+    from .. import __file__ as package_file, __version__
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
     env.update(_config.to_env(cfg))

@@ -7,20 +7,11 @@ from typing import Any
 
 import torch
 
-from . import _dispatch
+from . import _generic
 from ._dispatch import DEVICE, alias, forget, wrap
+from ._generic import check_device
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
-
-
-def check_device(device: Any) -> None:
-    """Only `neuron:0` exists; anything else gets a clear error."""
-    if device is None:
-        return
-    d = torch.device(device)
-    if d.type == DEVICE and d.index not in (None, 0):
-        raise RuntimeError(f"{d} does not exist: this host has one {DEVICE} device, {DEVICE}:0 "
-                           f"(torch.{DEVICE}.device_count() == 1)")
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -122,9 +113,7 @@ def convolution_backward_overrideable(grad_output: torch.Tensor, input: torch.Te
 
 
 def _dispatch_kernel(qualname: str) -> Callable[..., Any]:
-    from . import _kernels
-
-    return _kernels.kernel_for(qualname)
+    return _generic.kernel_for(qualname)
 
 
 def to_copy(self: torch.Tensor, *, dtype: Any = None, layout: Any = None, device: Any = None,
@@ -153,13 +142,3 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "aten::convolution_overrideable": convolution_overrideable,
     "aten::convolution_backward_overrideable": convolution_backward_overrideable,
 }
-
-
-def _add_decompositions() -> None:
-    from ._decomp import KERNELS as DECOMP
-
-    KERNELS.update(DECOMP)
-
-
-_add_decompositions()
-_ = _dispatch  # re-exported names above come from it

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from . import _ops, _widen
+from ..signatures import _ops
+from . import _widen
 
 DEVICE = "neuron"
 

@@ -18,9 +18,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import _config, _entries, _shapes, _signature
-from .cache import CacheMissError, TieredCache
-from .compiler import CompileRefused, Compiler, Executable, get_compiler
+from .. import _config
+from ..cache import CacheMissError, TieredCache
+from ..compiler import CompileRefused, Compiler, Executable, get_compiler
+from ..signatures import _shapes, _signature
+from . import _entries
 
 log = logging.getLogger(__name__)
 

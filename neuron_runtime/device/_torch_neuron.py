@@ -19,11 +19,28 @@ from typing import Any
 
 import torch
 
-from . import _hostmem
-from ._device import DEVICE, _device_index
+from .._native import _hostmem
+from ..aten import _fusion
 from ._streams import Event, Stream, current_stream, default_stream, stream  # noqa: F401 - FSDP2's stream API
 
-__neuron_runtime__ = True  # _device.owner_of_privateuse1 knows its own module by this
+__neuron_runtime__ = True  # _register.owner_of_privateuse1 knows its own module by this
+
+DEVICE = "neuron"
+
+
+def _device_index(device: Any = None) -> int:
+    if device is None:
+        return 0
+    if isinstance(device, int):
+        idx = device
+    else:
+        d = torch.device(device)
+        if d.type != DEVICE:
+            raise ValueError(f"expected a {DEVICE} device, got {d}")
+        idx = 0 if d.index is None else d.index
+    if idx != 0:
+        raise RuntimeError(f"{DEVICE}:{idx} does not exist: this host has one {DEVICE} device, {DEVICE}:0")
+    return 0
 
 
 def is_available() -> bool:
@@ -46,9 +63,7 @@ def set_device(device: Any) -> None:
 def synchronize(device: Any = None) -> None:
     """Run every queued op (with fusion on); otherwise ops already ran synchronously on the host."""
     _device_index(device)
-    from . import fusion
-
-    fusion.flush("synchronize")
+    _fusion.flush("synchronize")
 
 
 def is_initialized() -> bool:
@@ -110,7 +125,7 @@ class MemoryStatsUnavailable(RuntimeError):
 def _native() -> Any:
     native = _hostmem.NATIVE
     if native is None:
-        from . import _native as native_mod
+        from .. import _native as native_mod
 
         raise MemoryStatsUnavailable(
             "neuron memory counters are kept by the native layer, which is not loaded here "

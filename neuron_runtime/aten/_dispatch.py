@@ -25,11 +25,15 @@ from typing import Any
 
 import torch
 
-from . import _config, _hostmem, _ops, _resolver, _signature, _widen
-from .cache import CacheMissError, IntegrityError, TieredCache
-from ._hostmem import to_cpu, to_neuron
+from .. import _config
+from .._native import _hostmem
+from .._native._hostmem import to_cpu, to_neuron
+from ..cache import CacheMissError, IntegrityError, TieredCache
+from ..compiler import CompileRefused, Compiler, Executable
+from ..executables import _resolver
+from ..signatures import _ops, _signature
+from . import _fusion, _widen
 from ._writes import _dtype_name, check_mutated, device_error, out_device_error
-from .compiler import CompileRefused, Compiler, Executable
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +166,7 @@ class Runtime:
     """One process's runtime: the executable resolver, fallbacks, counters and fusion."""
 
     #: Fusion wraps a flushed group's fresh CPU results as neuron tensors through its runtime (so
-    #: `fusion` never imports this module, which imports it).
+    #: `_fusion` never imports this module, which imports it).
     wrap = staticmethod(wrap)
 
     def __init__(self, cfg: _config.Config) -> None:
@@ -183,11 +187,12 @@ class Runtime:
                                        "misses": 0, "class_hits": 0, "host_ops": 0, "host_runs": 0, "loads": 0,
                                        "widened": 0,
                                        "hits": {"memory": 0}}
+        # torch.compile graphs (`graphs._compile` counts here): compiled, calls on an executable and op by
+        # op, refusals.
+        self.graph_counts = {"graphs": 0, "graph_executions": 0, "graph_eager_runs": 0, "graphs_refused": 0}
         self.waiting: dict[tuple[str, Any], str] = {}  # (op, key) -> cache key compiling in the background
         self.resolver = _resolver.Resolver(cfg, self.counts, self.lock, on_evict=self._evicted)
-        from . import fusion
-
-        self.fusion = fusion.install(self)  # None unless TORCH_NEURONX_ENABLE_CONCATENATION=1
+        self.fusion = _fusion.install(self)  # None unless TORCH_NEURONX_ENABLE_CONCATENATION=1
 
     @property
     def compiler(self) -> Compiler:
@@ -225,9 +230,7 @@ class Runtime:
         s["compile_mode"] = self.cfg.compile_mode
         with self.resolver._kinds_lock:
             s["compiles_by_kind"] = dict(self.resolver.compile_kinds)
-        from . import _compile  # torch.compile graphs (imports nothing heavy)
-
-        s["graphs"] = dict(_compile.stats(), compiles=s["compiles_by_kind"]["graph"])
+        s["graphs"] = dict(self.graph_counts, compiles=s["compiles_by_kind"]["graph"])
         bg = self.resolver._background
         if bg is not None:
             s["background"] = bg.stats()
@@ -579,9 +582,6 @@ def reset_runtime(cfg: _config.Config | None = None) -> Runtime:
     if _runtime is not None:
         _runtime.close()
     _runtime = Runtime(cfg or _config.reload())
-    from . import _compile
-
-    _compile.reset_stats()
     for info, exes in _EXES.values():
         exes.clear()
     _forget_native()
@@ -615,7 +615,6 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     f = info.functional or info
     fnames = {a.name for a in f.args}
     fuse = runtime().fusion is not None  # decided when the kernel is built: flag off, nothing changes
-    from . import fusion as _fusion
 
     can_queue = fuse and _fusion.fusible(info)
     params: list[str] = []

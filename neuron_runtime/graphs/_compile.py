@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 
-from . import _dispatch, _graph, _hostmem
+from .._native import _hostmem
+from ..aten import _dispatch
+from . import _graph
 
 log = logging.getLogger(__name__)
 
 _MODES = (None, "default")
 _lock = threading.Lock()
-#: Per process: graphs compiled, graph calls on an executable and op by op, refusals.
-STATS: dict[str, int] = {"graphs": 0, "graph_executions": 0, "graph_eager_runs": 0, "graphs_refused": 0}
 
 
 class GraphCompileError(RuntimeError):
@@ -39,8 +39,10 @@ class GraphCompileError(RuntimeError):
 
 
 def _bump(name: str, n: int = 1) -> None:
+    """Count in the current runtime's `graph_counts` (`stats()["graphs"]`)."""
+    counts = _runtime().graph_counts
     with _lock:
-        STATS[name] += n
+        counts[name] += n
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
@@ -149,7 +151,7 @@ class CompiledGraph:
         warnings.warn(msg, UserWarning, stacklevel=3)
 
     def _resolve(self) -> None:
-        from .compiler import CompileRefused
+        from ..compiler import CompileRefused
 
         assert self.plan is not None
         try:
@@ -234,13 +236,3 @@ def _native_runner(exe: Any, plan: _graph.GraphPlan) -> Any:
     return _hostmem.NATIVE.GraphRunner(exe, plan.inputs, plan.copies, plan.writes, outputs, plan.on_device,
                                        plan.constants)
 
-
-def stats() -> dict[str, int]:
-    with _lock:
-        return dict(STATS)
-
-
-def reset_stats() -> None:
-    with _lock:
-        for k in STATS:
-            STATS[k] = 0

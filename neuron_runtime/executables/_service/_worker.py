@@ -1,4 +1,4 @@
-"""One compile worker process (`python -m neuron_runtime._service._worker`), for the host's compile
+"""One compile worker process (`python -m neuron_runtime.executables._service._worker`), for the host's compile
 service and for `neuron-cache warm/compile`.
 
 Protocol (JSON lines, no pickle): once imported and ready, the worker writes `{"ready": pid}`; then the
@@ -63,7 +63,7 @@ def _warm(tier: str) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m neuron_runtime._service._worker")
+    p = argparse.ArgumentParser(prog="python -m neuron_runtime.executables._service._worker")
     p.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by N")
     return p
 
@@ -74,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     if args.nice:
         os.nice(args.nice)
-    from neuron_runtime import _config, _entries, _signature
+    from neuron_runtime import _config
     from neuron_runtime.cache import TieredCache
-    from neuron_runtime.cli._warm import make_compiler
+    from neuron_runtime.compiler import make_compiler
     from neuron_runtime.compiler import CompileRefused
+    from neuron_runtime.executables import _entries
+    from neuron_runtime.signatures import _signature
 
     cfg = _config.get()
     compiler = make_compiler(cfg)

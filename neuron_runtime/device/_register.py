@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from . import _hostmem
-
-DEVICE = "neuron"
+from .._native import _hostmem
+from . import _torch_neuron
+from ._torch_neuron import DEVICE
 
 
 class DeviceConflictError(RuntimeError):
@@ -29,21 +29,6 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
 class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc]
     def type_(self) -> Any:
         return torch._C._autograd.DeviceType.PrivateUse1
-
-
-def _device_index(device: Any = None) -> int:
-    if device is None:
-        return 0
-    if isinstance(device, int):
-        idx = device
-    else:
-        d = torch.device(device)
-        if d.type != DEVICE:
-            raise ValueError(f"expected a {DEVICE} device, got {d}")
-        idx = 0 if d.index is None else d.index
-    if idx != 0:
-        raise RuntimeError(f"{DEVICE}:{idx} does not exist: this host has one {DEVICE} device, {DEVICE}:0")
-    return 0
 
 
 _registered = False
@@ -76,8 +61,6 @@ def register() -> None:
     if torch._C._get_privateuse1_backend_name() != DEVICE:
         torch.utils.rename_privateuse1_backend(DEVICE)
     if not hasattr(torch, DEVICE):
-        from . import _torch_neuron
-
         torch._register_device_module(DEVICE, _torch_neuron)
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
     # The native hooks can also resize storages in place (FSDP2 frees unsharded parameters that way).

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import _signature
+from ..signatures import _signature
 
 
 class ManifestError(ValueError):

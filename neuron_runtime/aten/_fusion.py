@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from . import _hostmem, _ops
+from .._native import _hostmem
+from ..signatures import _ops
 
 
 _ARG_KINDS = (_ops.TENSOR, _ops.OPT_TENSOR, _ops.SCALAR, _ops.SCALARS, _ops.VALUE)

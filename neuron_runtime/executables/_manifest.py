@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from . import _signature
+from ..signatures import _signature
 
 FORMAT = "neuron-manifest-v1"
 FIRST = 4           # signatures that name an unnamed job

@@ -1,4 +1,4 @@
-"""Builds and registers one PrivateUse1 kernel per aten op, by the op's kind (see `_ops`)."""
+"""Registers one PrivateUse1 kernel per aten op: its own (`SPECIAL`) or the one of its kind (`_generic`)."""
 
 from __future__ import annotations
 
@@ -8,55 +8,21 @@ from typing import Any
 
 import torch
 
-from . import _dispatch, _hostmem, _ops, _special
+from .._native import _hostmem
+from ..signatures import _ops
+from . import _decomp, _dispatch, _fusion, _generic, _special
 
-_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+#: Ops with a kernel of their own: allocation, copies, resizes (`_special`), and ops computed from other
+#: ops (`_decomp`). Every other op gets the kernel of its kind (`_generic`).
+SPECIAL: dict[str, Callable[..., Any]] = {**_special.KERNELS, **_decomp.KERNELS}
 _kernels: dict[str, Callable[..., Any]] = {}
 _library: torch.library.Library | None = None
-
-
-def _view_kernel(info: _ops.OpInfo) -> Callable[..., Any]:
-    # The CPU kernel of a view op only computes metadata, so it runs on the neuron tensor itself and the
-    # result shares its storage.
-    handle = info.op._handle
-    keys = _CPU_KEYS
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        return handle.redispatch_boxed(keys, *args, **kwargs)
-
-    return kernel
-
-
-def _host_kernel(info: _ops.OpInfo) -> Callable[..., Any]:
-    names = [a.name for a in info.args]
-    defaults = [a.default if a.has_default else None for a in info.args]
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        values = list(args) + [kwargs.get(n, d) for n, d in zip(names[len(args):], defaults[len(args):])]
-        for a, v in zip(info.args, values):
-            if a.name == "device":
-                _special.check_device(v)
-        rt = _dispatch.runtime()
-        rt.host_ops.add(info.qualname)
-        host_values = tuple(_dispatch.to_host(v) for v in values)
-        return rt.host_or_widen(info, None, tuple(values), host_values)[0]
-
-    return kernel
 
 
 def kernel_for(qualname: str) -> Callable[..., Any]:
     k = _kernels.get(qualname)
     if k is None:
-        if qualname in _special.KERNELS:
-            k = _special.KERNELS[qualname]
-        else:
-            info = _ops.classify(qualname)
-            if info.kind == "view":
-                k = _view_kernel(info)
-            elif info.kind == "host":
-                k = _host_kernel(info)
-            else:
-                k = _dispatch._codegen(info)
+        k = SPECIAL.get(qualname) or _generic.kernel_for(qualname)
         if _dispatch.runtime().fusion is not None and not hasattr(k, "__neuron_source__"):
             k = _flushing(k, qualname)
         _kernels[qualname] = k
@@ -65,9 +31,7 @@ def kernel_for(qualname: str) -> Callable[..., Any]:
 
 def _flushing(kernel: Callable[..., Any], qualname: str) -> Callable[..., Any]:
     """With fusion on: run queued ops before an op that may read them (views, host ops, copies)."""
-    from . import fusion
-
-    pending, flush, reason = fusion.PENDING, fusion.flush, f"op:{qualname}"
+    pending, flush, reason = _fusion.PENDING, _fusion.flush, f"op:{qualname}"
 
     def flushing_kernel(*args: Any, **kwargs: Any) -> Any:
         if pending:
@@ -83,7 +47,7 @@ def register_all() -> int:
     if _library is not None:
         return len(_kernels)
     lib = torch.library.Library("aten", "IMPL")
-    names = set(_ops.cpu_ops()) | set(_special.KERNELS)
+    names = set(_ops.cpu_ops()) | set(SPECIAL)
     for qualname in sorted(names):
         lib.impl(qualname.removeprefix("aten::"), _lazy(qualname), "PrivateUse1")
     # copy_ between neuron tensors goes through `_copy_from`, which PyTorch's conjugate/negative-bit
@@ -93,9 +57,7 @@ def register_all() -> int:
     for op in ("_copy_from", "_copy_from_and_resize"):
         for key in ("Conjugate", "Negative"):
             lib.impl(op, torch.library.fallthrough_kernel, key)
-    from ._decomp import COMPOSITE_WIDEN
-
-    for op, kernel in COMPOSITE_WIDEN.items():
+    for op, kernel in _decomp.COMPOSITE_WIDEN.items():
         lib.impl(op, kernel, "AutogradPrivateUse1")
     _library = lib
     return len(names)
@@ -145,7 +107,7 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
         native.register_special(qualname, _NATIVE_SPECIAL[qualname], [a.kwarg_only for a in args],
                                 [a.name for a in args], kernel)
         return True
-    if qualname in _special.KERNELS:
+    if qualname in SPECIAL:
         return False
     info = _ops.classify(qualname)
     if info.kind == "view":

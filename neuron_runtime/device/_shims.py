@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import _device
+from . import _torch_neuron
 
 _installed = False
 
@@ -43,13 +43,13 @@ def _is_neuron(device: Any) -> bool:
     if device is None:
         return False
     try:
-        return torch.device(device).type == _device.DEVICE
+        return torch.device(device).type == _torch_neuron.DEVICE
     except (RuntimeError, TypeError):
         return False
 
 
 def _neuron_storage(nbytes: int) -> torch.UntypedStorage:
-    from ._dispatch import wrap
+    from ..aten._dispatch import wrap
 
     return wrap(torch.empty(int(nbytes), dtype=torch.uint8)).untyped_storage()
 
@@ -62,13 +62,13 @@ def _own_core(device: Any) -> int:
         idx: int | None = device
     else:
         d = torch.device(device)
-        idx = d.index if d.type == _device.DEVICE else -1
+        idx = d.index if d.type == _torch_neuron.DEVICE else -1
     local = os.environ.get("LOCAL_RANK")
     if idx is None or idx == 0 or (local is not None and local.isdigit() and idx == int(local)):
         return 0
     raise ValueError(
-        f"DistributedDataParallel(device_ids=[{device}]) for a module on {_device.DEVICE}: each process owns "
-        f"{_device.DEVICE}:0 only (rank → core: one core per process, see docs/distributed.md); pass "
+        f"DistributedDataParallel(device_ids=[{device}]) for a module on {_torch_neuron.DEVICE}: each process owns "
+        f"{_torch_neuron.DEVICE}:0 only (rank → core: one core per process, see docs/distributed.md); pass "
         f"device_ids=[0], [LOCAL_RANK] or nothing")
 
 
@@ -83,7 +83,7 @@ def _install_ddp_device_ids() -> None:
     def ddp_init(self: Any, module: torch.nn.Module, device_ids: Any = None, output_device: Any = None,
                  *args: Any, **kwargs: Any) -> None:
         p = next(iter(module.parameters()), None)
-        if device_ids and p is not None and p.device.type == _device.DEVICE:
+        if device_ids and p is not None and p.device.type == _torch_neuron.DEVICE:
             device_ids = [_own_core(d) for d in device_ids]
             output_device = None if output_device is None else _own_core(output_device)
         init(self, module, device_ids, output_device, *args, **kwargs)
@@ -106,7 +106,7 @@ def install() -> None:
             if device is None:
                 return base_new(cls, *args, **kwargs)
             return base_new(cls, *args, device=device, **kwargs)
-        _device._device_index(device)
+        _torch_neuron._device_index(device)
         if not args and not kwargs:
             return _neuron_storage(0)
         if len(args) == 1 and isinstance(args[0], int) and not kwargs:
@@ -122,9 +122,9 @@ def install() -> None:
 
     def accelerator_synchronize(device: Any = None, /) -> None:
         acc = torch.accelerator.current_accelerator()
-        if acc is not None and acc.type == _device.DEVICE:
+        if acc is not None and acc.type == _torch_neuron.DEVICE:
             if device is not None and not isinstance(device, int):
-                _device._device_index(device)
+                _torch_neuron._device_index(device)
             return
         sync(device)
 
@@ -135,7 +135,7 @@ def install() -> None:
     is_pinned = torch.Tensor.is_pinned
 
     def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
-        if (device is None or _is_neuron(device)) and self.device.type in ("cpu", _device.DEVICE):
+        if (device is None or _is_neuron(device)) and self.device.type in ("cpu", _torch_neuron.DEVICE):
             return self  # neuron memory is host memory: nothing to pin
         return pin(self, device) if device is not None else pin(self)
 
@@ -147,7 +147,7 @@ def install() -> None:
     swap = torch.utils.swap_tensors
 
     def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        from ._dispatch import forget
+        from ..aten._dispatch import forget
 
         forget(t1)
         forget(t2)
@@ -167,10 +167,10 @@ def _route_inductor() -> None:
     inductor = wrapper.__call__
 
     def call(self: Any, model_: Any, inputs_: Any, *args: Any, **kwargs: Any) -> Any:
-        if any(isinstance(t, torch.Tensor) and t.device.type == _device.DEVICE for t in inputs_):
+        if any(isinstance(t, torch.Tensor) and t.device.type == _torch_neuron.DEVICE for t in inputs_):
             import logging
 
-            from ._compile import backend
+            from ..graphs._compile import backend
 
             logging.getLogger(__name__).info(
                 "torch.compile: a graph on neuron tensors compiles with backend='neuron' (Inductor has no "

@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from . import _native
+from . import load as _load_native
 
 _KDL_CPU = 1
 _KDL_EXT_DEV = 12  # PrivateUse1
@@ -48,7 +48,7 @@ def to_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 # The native layer relabels in one C++ call (a third of the DLPack round trip), when it is available.
-NATIVE = _native.load()
+NATIVE = _load_native()
 if NATIVE is not None:
     to_neuron = NATIVE.to_neuron  # noqa: F811
     to_cpu = NATIVE.to_cpu  # noqa: F811

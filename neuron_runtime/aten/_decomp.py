@@ -1,4 +1,4 @@
-"""Kernels that compute an op from other ops (registered through `_special.KERNELS`).
+"""Kernels that compute an op from other ops (registered through `_kernels.SPECIAL`).
 
   * `_efficientzerotensor`: CPU's result is a ZeroTensor with no memory behind it (a null data pointer);
     relabelled to neuron it loses the ZeroTensor key and the first read dereferences null. Here: real zeros.
@@ -29,27 +29,19 @@ from typing import Any
 
 import torch
 
-from . import _dispatch, _ops, _widen
+from ..signatures import _ops
+from . import _dispatch, _generic, _widen
 from ._dispatch import _copy_back_out, alias, wrap
 
 def efficientzerotensor(size: list[int], *, dtype: Any = None, layout: Any = None, device: Any = None,
                         pin_memory: Any = None) -> torch.Tensor:
-    from ._special import check_device
-
-    check_device(device)
+    _generic.check_device(device)
     return wrap(torch.zeros(size, dtype=dtype, layout=layout))
 
 
-def _generic(qualname: str) -> Callable[..., Any]:
+def _generic_kernel(qualname: str) -> Callable[..., Any]:
     """The kernel `_kernels` would build for `qualname` from its kind, ignoring the special tables."""
-    from . import _kernels
-
-    info = _ops.classify(qualname, special=False)
-    if info.kind == "view":
-        return _kernels._view_kernel(info)
-    if info.kind == "host":
-        return _kernels._host_kernel(info)
-    return _dispatch._codegen(info)
+    return _generic.kernel(_ops.classify(qualname, special=False))
 
 
 def _lazy_generic(qualname: str) -> Callable[..., Any]:
@@ -57,7 +49,7 @@ def _lazy_generic(qualname: str) -> Callable[..., Any]:
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if not cell:
-            cell.append(_generic(qualname))
+            cell.append(_generic_kernel(qualname))
         return cell[0](*args, **kwargs)
 
     return kernel
@@ -74,7 +66,7 @@ def _via_functional(qualname: str, functional: str) -> Callable[..., Any]:
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if not cell:
-            cell.append(_generic(functional))
+            cell.append(_generic_kernel(functional))
         outs = cell[0](*args, **kwargs)
         for j, i in enumerate(mutated):
             target = args[i] if i < len(args) else kwargs[schema.arguments[i].name]
@@ -121,7 +113,7 @@ def _nansum(qualname: str) -> Callable[..., Any]:
         if self.is_complex():
             return torch.sum(torch.where(torch.isnan(self), torch.zeros_like(self), self), dim, keepdim, dtype=dtype)
         if not cell:
-            cell.append(_generic(qualname))
+            cell.append(_generic_kernel(qualname))
         return cell[0](self, dim, keepdim, dtype=dtype)
 
     return kernel

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .compiler import Compiler, CompileRefused
+from ..compiler import Compiler, CompileRefused
 
 REFUSED = "refused"
 
@@ -18,7 +18,7 @@ REFUSED = "refused"
 def build_entry(cache: Any, compiler: Compiler, key: str, sig: dict[str, Any], fingerprint: dict[str, Any],
                 producer: str | None = None) -> bytes:
     """Compile `sig` and pack the envelope for `key`; a refusal becomes a refusal entry."""
-    from . import __version__  # read at call time (not bound at import)
+    from .. import __version__  # read at call time (not bound at import)
 
     header: dict[str, Any] = {"signature": sig, "fingerprint": fingerprint}
     if producer:
@@ -41,7 +41,7 @@ def check(entry: Any) -> None:
 
 def stale_refusal(entry: Any) -> bool:
     """`entry` is a refusal made by another neuron-runtime version (so worth asking the compiler again)."""
-    from . import __version__
+    from .. import __version__
 
     return bool(entry.header.get(REFUSED)) and entry.header.get("runtime") != __version__
 

@@ -1,0 +1,16 @@
+"""How an op runs: one PrivateUse1 kernel per aten op, by the op's kind (`signatures._ops`).
+
+    _kernels.py   registers every op's kernel: its own (`SPECIAL`) or the one of its kind
+    _special.py   allocation, cross-device copies, resizes, convolution's overrideable entry
+    _decomp.py    ops computed from other ops (out= factories, batch norm's update, ...)
+    _generic.py   the kernel of a kind: view (metadata only), host, or generated compute/mutating
+    _dispatch.py  the generated kernels' hit path, the runtime's slow path (`Runtime.slow_call`), the CPU
+                  views of neuron tensors, host runs and fallbacks
+    _fusion.py    the experimental fusion queue (TORCH_NEURONX_ENABLE_CONCATENATION=1)
+    _widen.py     dtypes a host kernel lacks, computed in a wider one
+    _writes.py    checks on what in-place and out= ops write (device, dtype)
+
+A call's signature goes down to `executables/` for its executable. Nothing here is public API.
+"""
+
+__all__: list[str] = []
