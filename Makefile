@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install servers demo test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -24,8 +24,23 @@ install: $(STAMP)
 demo: install
 	$(BIN)/python -m neuron_runtime.demo
 
-# The tests start what they need themselves (moto S3 and gRPC servers on 127.0.0.1, subprocess "hosts").
-test: install
+# Servers the tests start on 127.0.0.1 from Debian's packages: redis-server (redis:// stores) and nginx
+# with WebDAV (http:// stores). Installed when missing and we are root (CI on a clean Debian machine);
+# otherwise the tests that need them skip and say why.
+servers:
+	@missing=""; command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "make: installing$$missing (Debian packages) for the tests" >&2; \
+	    apt-get update -qq >&2 || true; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >&2; \
+	  else echo "make: warning:$$missing missing and not root: the tests that need them will skip" >&2; fi; \
+	fi
+
+# The tests start what they need themselves (moto S3, gRPC, Redis and HTTP cache servers on 127.0.0.1,
+# subprocess "hosts").
+test: install servers
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: install

@@ -4,6 +4,8 @@
     LocalCache             host-private diskcache, bytes only, LRU byte cap     (_local.py)
     SharedPathStore        shared filesystem, one file per key, O_EXCL leases   (_fsstore.py)
     S3Store                s3://, create-only puts, conditional-put leases      (_fsstore.py)
+    RedisStore             redis://, rediss://: SET NX entries and leases       (_redis.py)
+    HttpStore              http(s)://: bazel-remote's /cas + /ac API, WebDAV    (_http.py)
     open_store(url, cfg)   picks a fleet backend by URL scheme                  (_registry.py)
 
 The entry format lives in `neuron_runtime.envelope`; the backend contract in `_base.py`.
@@ -13,8 +15,10 @@ from neuron_runtime.cache._base import CacheBackend, CacheError, EntryInfo, Inva
 from neuron_runtime.cache._errors import CacheMissError, IntegrityError, StoreConfigError
 from neuron_runtime.cache._faults import CacheWarning
 from neuron_runtime.cache._fsstore import S3Store, SharedPathStore
+from neuron_runtime.cache._http import HttpStore
 from neuron_runtime.cache._local import LocalCache
 from neuron_runtime.cache._memory import MemoryStore
+from neuron_runtime.cache._redis import RedisStore
 from neuron_runtime.cache._registry import open_store, register_scheme
 from neuron_runtime.cache._tiered import TieredCache
 
@@ -24,11 +28,13 @@ __all__ = [
     "CacheMissError",
     "CacheWarning",
     "EntryInfo",
+    "HttpStore",
     "IntegrityError",
     "InvalidKeyError",
     "Lease",
     "LocalCache",
     "MemoryStore",
+    "RedisStore",
     "S3Store",
     "SharedPathStore",
     "StoreConfigError",

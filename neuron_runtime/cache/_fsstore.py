@@ -99,12 +99,16 @@ class FleetStore(CacheBackend):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001
-            kind = classify(e)
+            kind = self._classify(e)
             if kind in ("unavailable", "timeout", "throttled", "server"):
                 self._open_until = time.monotonic() + self.cooldown_s
             self.faults.record(kind, op, e)
             log.debug("%s %s failed", self.url, op, exc_info=True)
             return default
+
+    def _classify(self, e: BaseException) -> str:
+        """The fault kind of a transport exception (a store with its own client library refines it)."""
+        return classify(e)
 
     def _lease_live(self, key: str) -> bool:
         """True while a lease on `key` exists and has not expired (False on any error)."""

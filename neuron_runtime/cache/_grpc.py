@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from neuron_runtime.cache._base import CacheBackend, EntryInfo, Lease, check_key
+from neuron_runtime.cache._base import CacheBackend, EntryInfo, Lease, check_key, check_keys
 from neuron_runtime.cache._errors import StoreConfigError
 from neuron_runtime.cache._faults import FaultCounter
 
@@ -202,7 +202,7 @@ class GrpcBackend(CacheBackend):
         return self._guard("put", lambda c, t: (c.put(key, blob, timeout=t), True)[1], False)
 
     def contains_many(self, keys: Iterable[str]) -> set[str]:
-        wanted = _check_keys(list(dict.fromkeys(keys)))
+        wanted = check_keys(list(dict.fromkeys(keys)))
         found: set[str] = set()
         for i in range(0, len(wanted), _LOOKUP_BATCH):
             batch = wanted[i:i + _LOOKUP_BATCH]
@@ -262,20 +262,6 @@ class GrpcBackend(CacheBackend):
         if not self._closed:
             self._closed = True
             self._client.close()
-
-
-def _check_keys(keys: list[str]) -> list[str]:
-    """`check_key` for many keys at once (a per-key regex was most of a 1,000-key lookup's client time):
-    `fromhex(joined).hex() == joined` holds only for lowercase hex, and each key must be 64 long."""
-    try:
-        joined = "".join(keys)
-        ok = bytes.fromhex(joined).hex() == joined and set(map(len, keys)) <= {64}
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        for k in keys:
-            check_key(k)
-    return keys
 
 
 def open_grpc(url: str, cfg: "Config | None" = None) -> GrpcBackend:

@@ -3,6 +3,8 @@
     /abs/path, rel/path, file:///path  -> SharedPathStore   (a shared filesystem: FSx, NFS, Lustre)
     s3://bucket/prefix                 -> S3Store           (needs s3fs)
     grpc://host:port, grpcs://host:port -> neuron_runtime.cache._grpc.open_grpc  (our cache server)
+    redis://host:port, rediss://…      -> RedisStore        (a Redis server or cluster; needs redis)
+    http://host/instance, https://…    -> HttpStore         (bazel-remote's HTTP cache API, WebDAV)
     memory://                          -> MemoryStore       (this process only; tests and tools)
 
 Backends are imported lazily, so an unused optional package is never needed; a missing one gives a
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 Factory = Callable[[str, "Config"], CacheBackend]
 
 # The pip requirement that provides each optional module a backend needs.
-_INSTALL = {"s3fs": "s3fs", "grpc": "grpcio", "grpc_health": "grpcio-health-checking", "google.protobuf": "protobuf"}
+_INSTALL = {"s3fs": "s3fs", "redis": "redis", "urllib3": "urllib3", "grpc": "grpcio", "grpc_health": "grpcio-health-checking", "google.protobuf": "protobuf"}
 
 
 def _need(module: str, scheme: str) -> None:
@@ -75,6 +77,20 @@ def _open_grpc(url: str, cfg: Config) -> CacheBackend:
     return backend
 
 
+def _open_redis(url: str, cfg: Config) -> CacheBackend:
+    _need("redis", "redis")
+    from neuron_runtime.cache._redis import open_redis
+
+    return open_redis(url, cfg)
+
+
+def _open_http(url: str, cfg: Config) -> CacheBackend:
+    _need("urllib3", url.split("://", 1)[0])
+    from neuron_runtime.cache._http import open_http
+
+    return open_http(url, cfg)
+
+
 def _open_memory(url: str, cfg: Config) -> CacheBackend:
     from neuron_runtime.cache._memory import MemoryStore
 
@@ -88,6 +104,10 @@ _SCHEMES: dict[str, Factory] = {
     "s3a": _open_s3,
     "grpc": _open_grpc,
     "grpcs": _open_grpc,
+    "redis": _open_redis,
+    "rediss": _open_redis,
+    "http": _open_http,
+    "https": _open_http,
     "memory": _open_memory,
 }
 

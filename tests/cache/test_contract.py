@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,10 @@ from neuron_runtime.cache import (
     CacheBackend,
     CacheWarning,
     InvalidKeyError,
+    HttpStore,
     LocalCache,
     MemoryStore,
+    RedisStore,
     S3Store,
     SharedPathStore,
 )
@@ -32,6 +35,15 @@ class BackendContract:
     """The contract; subclasses provide the `backend` and `broken` fixtures."""
 
     supports_leases = True
+
+    @pytest.fixture(autouse=True)
+    def _capabilities(self, request: pytest.FixtureRequest) -> None:
+        name = request.node.name
+        if not self.supports_leases and name.startswith(("test_lease", "test_stale_lease", "test_wait_for_sees")):
+            pytest.skip("this tier has no fleet leases (single-flight is per host: TieredCache's flock)")
+        if name == "test_entries" and "backend" in request.fixturenames:
+            if not request.getfixturevalue("backend").lists_entries:
+                pytest.skip("this store cannot list its entries (the HTTP cache API has no listing)")
 
     def test_miss_is_none(self, backend: CacheBackend) -> None:
         assert backend.get(key_of("nothing")) is None
@@ -117,8 +129,6 @@ class BackendContract:
         assert list(backend.entries()) == []
 
     def test_lease_is_exclusive_until_released(self, backend: CacheBackend) -> None:
-        if not self.supports_leases:
-            pytest.skip("this tier has no fleet leases (host locks live in TieredCache)")
         k = key_of("lease")
         lease = backend.try_lease(k, 60)
         assert lease is not None
@@ -130,8 +140,6 @@ class BackendContract:
         again.release()
 
     def test_stale_lease_is_taken_over_once(self, backend: CacheBackend) -> None:
-        if not self.supports_leases:
-            pytest.skip("this tier has no fleet leases")
         k = key_of("stale")
         dead = backend.try_lease(k, 0.3)  # its holder "crashes": never released
         assert dead is not None
@@ -208,9 +216,6 @@ class TestLocalCache(BackendContract):
         (tmp_path / "file").write_text("not a directory")
         return LocalCache(str(tmp_path / "file" / "local"), 1 << 30)
 
-    def test_wait_for_sees_the_holders_entry(self, backend: CacheBackend) -> None:
-        pytest.skip("the local tier has no fleet leases; host single-flight is TieredCache's flock")
-
 
 class TestSharedPathStore(BackendContract):
     @pytest.fixture
@@ -284,3 +289,163 @@ class TestS3Store(BackendContract):
                               IfNoneMatch="*")
         assert ei.value.response["Error"]["Code"] == "PreconditionFailed"
         assert backend.get(k) == b"first"
+
+
+class TestRedisStore(BackendContract):
+    @pytest.fixture
+    def backend(self, redis_server: Any) -> RedisStore:
+        return RedisStore(redis_server.url(prefix=f"t{uuid.uuid4().hex[:8]}:"), timeout_s=5)
+
+    @pytest.fixture
+    def broken(self) -> RedisStore:
+        return RedisStore(f"redis://127.0.0.1:{free_port()}", timeout_s=2)
+
+    def test_layout_and_prefix(self, backend: RedisStore, redis_server: Any) -> None:
+        import redis
+
+        k = key_of("layout")
+        backend.put(k, b"v")
+        raw = redis.Redis(port=redis_server.port, password=redis_server.PASSWORD)
+        assert raw.get(f"{backend.prefix}v1:{k}") == b"v"
+        lease = backend.try_lease(k, 30)
+        assert lease is not None
+        ttl = raw.pttl(f"{backend.prefix}v1:lease:{k}")
+        assert 0 < ttl <= 30_000  # the server expires a dead holder's lease
+        lease.release()
+        assert raw.exists(f"{backend.prefix}v1:lease:{k}") == 0
+
+    def test_ttl_is_set_and_renewed_by_reads(self, redis_server: Any) -> None:
+        import redis
+
+        store = RedisStore(redis_server.url(prefix=f"ttl{uuid.uuid4().hex[:6]}:", ttl="60s"), timeout_s=5)
+        raw = redis.Redis(port=redis_server.port, password=redis_server.PASSWORD)
+        k = key_of("ttl")
+        store.put(k, b"v")
+        name = f"{store.prefix}v1:{k}"
+        assert 0 < raw.pttl(name) <= 60_000
+        raw.pexpire(name, 5_000)
+        assert store.get(k) == b"v"
+        assert raw.pttl(name) > 50_000  # the read renewed it
+
+    def test_entry_over_the_cap_is_refused_with_one_clear_warning(self, redis_server: Any) -> None:
+        store = RedisStore(redis_server.url(prefix=f"cap{uuid.uuid4().hex[:6]}:", max_entry="1KiB"), timeout_s=5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert store.put(key_of("big"), b"x" * 2048) is False
+            assert store.put(key_of("big2"), b"x" * 4096) is False
+            assert store.put(key_of("small"), b"x" * 1024) is True
+        shown = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+        assert len(shown) == 1 and "max_entry" in shown[0] and "1024" in shown[0], shown
+        assert store.faults.counts == {"too_large": 2}
+        assert store.get(key_of("big")) is None
+
+    def test_acl_user_is_confined_to_its_prefix(self, redis_server: Any) -> None:
+        ok = RedisStore(f"redis://neff:neff-pw@127.0.0.1:{redis_server.port}?prefix=neff:acl:", timeout_s=5)
+        assert ok.put(key_of("acl"), b"v") and ok.get(key_of("acl")) == b"v"
+        outside = RedisStore(f"redis://neff:neff-pw@127.0.0.1:{redis_server.port}?prefix=other:", timeout_s=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert outside.put(key_of("acl"), b"v") is False
+        assert outside.faults.counts == {"permission": 1}
+
+    def test_password_never_reaches_messages(self, redis_server: Any) -> None:
+        store = RedisStore(f"redis://neff:wrong-secret@127.0.0.1:{redis_server.port}", timeout_s=5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert store.get(key_of(1)) is None
+        assert "wrong-secret" not in store.url and all("wrong-secret" not in str(w.message) for w in caught)
+        assert store.faults.counts == {"permission": 1}
+
+
+class TestRedisClusterStore(BackendContract):
+    @pytest.fixture
+    def backend(self, redis_cluster: Any) -> RedisStore:
+        return RedisStore(redis_cluster.url(prefix=f"c{uuid.uuid4().hex[:8]}:"), timeout_s=5)
+
+    @pytest.fixture
+    def broken(self) -> RedisStore:
+        return RedisStore(f"redis://127.0.0.1:{free_port()}?cluster=1", timeout_s=2)
+
+    def test_keys_spread_over_every_node(self, backend: RedisStore, redis_cluster: Any) -> None:
+        import redis
+
+        keys = [key_of(f"spread{i}") for i in range(30)]
+        for k in keys:
+            assert backend.put(k, b"v")
+        per_node = [len(redis.Redis(port=n.port, password=n.PASSWORD).keys(f"{backend.prefix}*"))
+                    for n in redis_cluster.nodes]
+        assert sum(per_node) == 30 and all(per_node), per_node
+        assert backend.contains_many(keys) == set(keys)
+        assert set(backend.get_many(keys)) == set(keys)
+
+
+class TestHttpStore(BackendContract):
+    """Our bazel-remote-API server (tests/_httpcache.py)."""
+
+    supports_leases = False
+
+    @pytest.fixture
+    def backend(self, http_cache: Any) -> HttpStore:
+        return HttpStore(f"http://ci:ci-pw@127.0.0.1:{http_cache.port}/t{uuid.uuid4().hex[:8]}", timeout_s=5)
+
+    @pytest.fixture
+    def broken(self) -> HttpStore:
+        return HttpStore(f"http://127.0.0.1:{free_port()}/x", timeout_s=2)
+
+    def test_bazel_remote_layout(self, backend: HttpStore, http_cache: Any) -> None:
+        import hashlib
+
+        from neuron_runtime.cache._http import parse_record
+
+        k = key_of("layout")
+        data = make_entry(k)
+        assert backend.put(k, data)
+        instance = backend.base.strip("/")
+        digest = hashlib.sha256(data).hexdigest()
+        assert http_cache.blobs[(instance, "cas", digest)] == data
+        ac = hashlib.sha256(f"neuron-runtime:v1:{k}".encode()).hexdigest()
+        record = http_cache.blobs[(instance, "ac", ac)]  # rewritten by the server (worker metadata added)
+        assert parse_record(record, k) == (digest, len(data))
+        assert parse_record(record, key_of("other")) is None  # a record names the key it is for
+
+    def test_bearer_token_and_wrong_credentials(self, http_cache: Any) -> None:
+        good = HttpStore(f"http://127.0.0.1:{http_cache.port}/bearer", token="ci-token", timeout_s=5)
+        assert good.put(key_of("b"), b"v") and good.get(key_of("b")) == b"v"
+        bad = HttpStore(f"http://ci:nope@127.0.0.1:{http_cache.port}/bearer", timeout_s=5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert bad.get(key_of("b")) is None and bad.put(key_of("c"), b"v") is False
+        assert bad.faults.counts == {"permission": 2}
+        shown = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+        assert len(shown) == 1 and "401" in shown[0] and "nope" not in shown[0]
+
+
+class TestNginxHttpStore(BackendContract):
+    """nginx's WebDAV PUT (Debian), configured by deploy/nginx/neff-cache.conf."""
+
+    supports_leases = False
+
+    @pytest.fixture
+    def backend(self, nginx_dav: Any) -> HttpStore:
+        return HttpStore(nginx_dav.url(f"t{uuid.uuid4().hex[:8]}"), timeout_s=5)
+
+    @pytest.fixture
+    def broken(self) -> HttpStore:
+        return HttpStore(f"http://127.0.0.1:{free_port()}/x", timeout_s=2)
+
+    def test_readers_need_no_password_writers_do(self, nginx_dav: Any) -> None:
+        writer = HttpStore(nginx_dav.url("ro"), timeout_s=5)
+        reader = HttpStore(nginx_dav.url("ro", auth=False), timeout_s=5)
+        k = key_of("ro")
+        data = make_entry(k)
+        assert writer.put(k, data)
+        assert reader.get(k) == data
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert reader.put(key_of("ro2"), b"v") is False
+        assert reader.faults.counts == {"permission": 1}
+
+    def test_a_big_entry_goes_through(self, backend: HttpStore) -> None:
+        k = key_of("big")
+        data = make_entry(k, b"\x01" * (3 << 20))  # over nginx's default 1 MiB body cap
+        assert backend.put(k, data) and backend.get(k) == data
