@@ -23,10 +23,12 @@ from _cachetest import (  # type: ignore[import-not-found]
 )
 
 
-@pytest.fixture(params=["path", "s3"])
+@pytest.fixture(params=["path", "s3", "redis"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "path":
         return str(tmp_path / "fleet")
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_server").url(prefix=f"{tmp_path.name}:"))
     return str(request.getfixturevalue("s3_url"))
 
 
@@ -51,6 +53,29 @@ def test_hosts_compile_each_key_once_then_a_new_host_compiles_nothing(store: str
     assert sources.count("compiled") == len(keys) and set(sources) <= {"compiled", "fleet"}
 
     late = run_hosts(1, store, keys, tmp_path / "run2")
+    assert compiles_in(tmp_path / "run2" / "compiles") == {}
+    assert all(set(r["sources"].values()) == {"fleet"} for r in late)
+
+
+@pytest.mark.parametrize("server", ["ours", "nginx"])
+def test_http_hosts_without_leases_each_end_with_every_entry(server: str, tmp_path: Path,
+                                                             request: pytest.FixtureRequest) -> None:
+    """The HTTP API has no conditional create, so no fleet lease: hosts racing on cold keys may each
+    compile them (never more than once per host), and every host ends with every entry; a late host
+    compiles nothing."""
+    if server == "ours":
+        port = request.getfixturevalue("http_cache").port
+        url = f"http://ci:ci-pw@127.0.0.1:{port}/{tmp_path.name}"
+    else:
+        url = request.getfixturevalue("nginx_dav").url(tmp_path.name)
+    keys = [key_of(f"op{i}") for i in range(4)]
+    hosts = 4
+    results = run_hosts(hosts, url, keys, tmp_path / "run1")
+    counts = compiles_in(tmp_path / "run1" / "compiles")
+    assert set(counts) == set(keys) and all(1 <= n <= hosts for n in counts.values()), counts
+    assert all(r["stats"]["corrupt"] == 0 and r["stats"]["fleet_errors"] == 0 for r in results)
+    assert all(set(r["sources"]) == set(keys) for r in results)
+    late = run_hosts(1, url, keys, tmp_path / "run2")
     assert compiles_in(tmp_path / "run2" / "compiles") == {}
     assert all(set(r["sources"].values()) == {"fleet"} for r in late)
 
