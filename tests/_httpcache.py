@@ -49,6 +49,7 @@ class CacheServer:
         self.fail_status = 0
         self.delay_s = 0.0
         self.lie = False
+        self.max_per_connection = 0  # > 0: close each connection after that many answers (like keepalive_requests)
         self.requests: list[tuple[str, str, int]] = []
         server = self
 
@@ -60,7 +61,11 @@ class CacheServer:
 
             def _send(self, status: int, body: bytes = b"") -> None:
                 server.requests.append((self.command, self.path, status))
+                self.answered = getattr(self, "answered", 0) + 1
                 self.send_response(status)
+                if server.max_per_connection and self.answered >= server.max_per_connection:
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Content-Type", "application/octet-stream")
                 self.end_headers()
@@ -146,7 +151,7 @@ class CacheServer:
     def reset(self) -> None:
         with self.lock:
             self.blobs.clear()
-        self.fail_status, self.delay_s, self.lie = 0, 0.0, False
+        self.fail_status, self.delay_s, self.lie, self.max_per_connection = 0, 0.0, False, 0
 
     def start(self) -> "CacheServer":
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

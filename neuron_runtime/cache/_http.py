@@ -17,9 +17,11 @@ derived from ours, so entries never collide with a Bazel build's actions in a sh
 layout version changes every name.
 
 Guarantees, and what this store cannot give:
-  * Atomicity: a CAS blob is checked against its digest on every read (a server that answers with
-    someone else's bytes is refused by digest, counted, warned about, and those bytes are never
-    returned); a record points only at a blob uploaded before it. So a reader sees a whole entry or a miss.
+  * Atomicity: a record points only at a blob uploaded before it, and a blob's name is its sha256, which
+    the server checks on upload (bazel-remote) or not (WebDAV). The bytes a read returns go through the
+    tiered cache's envelope check (digest, key, HMAC) like every store's, so a server that answers with
+    someone else's bytes is refused there, never loaded, counted in `stats["corrupt"]`; `quarantine`
+    then names the server's answer (fault kind `digest`) instead of dropping a record that was right.
   * First writer wins only as far as the API allows: `put` looks for a live record first and keeps it,
     but the API has no conditional create, so two hosts writing the same key at the same moment both
     upload and the last record wins (both entries are whole and valid for the key).
@@ -33,8 +35,10 @@ Guarantees, and what this store cannot give:
 
 Failure policy: as the other fleet stores (`FleetStore`): misses and skipped writes counted by kind
 (`timeout`, `unavailable`, `server` for 5xx, `permission` for 401/403, `too_large` for 413 or an entry
-over `max_entry`, `digest` for refused bytes), one warning per kind, and a cooldown after timeouts,
-refused connections and 5xx. Each request is bounded by `TORCH_NEURONX_FLEET_TIMEOUT`.
+over `max_entry`, `digest` for a blob that was not the one asked for), one warning per kind, and a
+cooldown after timeouts, refused connections and 5xx. Each request is bounded by
+`TORCH_NEURONX_FLEET_TIMEOUT`. Lookups and prefetches pipeline their record GETs (HTTP/1.1), since the
+API has no batch call.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import socket
 import ssl
 import threading
 import urllib.parse
@@ -62,6 +67,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_ENTRY = 1024**3
 _MAX_RECORD = 64 * 1024  # an action-cache record is ~150 bytes; bazel-remote adds a worker name
 _PARALLEL = 16
+_PIPELINE = 250  # requests written ahead on one connection (nginx closes after keepalive_requests=1000)
 _OPTIONS = {"ca", "cert", "key", "max_entry"}
 
 
@@ -112,6 +118,7 @@ class HttpStore(FleetStore):
             if "cert" in opts:
                 context.load_cert_chain(opts["cert"], opts.get("key"))
             pool_kw["ssl_context"] = context
+            self._ssl_context = context
         elif {"ca", "cert", "key"} & set(opts):
             raise StoreConfigError(f"{_urls.redact(url)!r}: ca=/cert=/key= need https://")
         host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
@@ -123,8 +130,6 @@ class HttpStore(FleetStore):
             retries=urllib3.Retry(total=1, connect=1, read=1, status=0, redirect=0, other=0, raise_on_status=False),
             **pool_kw)
         self._urllib3 = urllib3
-        self._refused: set[str] = set()  # keys whose record led to bytes that failed their digest
-        self._refused_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._listing_warned = False
@@ -185,14 +190,6 @@ class HttpStore(FleetStore):
         status, body = self._request("GET", self._ac(key), limit=_MAX_RECORD)
         return None if status == 404 else parse_record(body, key)
 
-    def _refuse(self, key: str, digest: str, data: bytes) -> None:
-        with self._refused_lock:
-            self._refused.add(key)
-        self.faults.record("digest", "get",
-                           f"the server answered cas/{digest} with {len(data)} bytes whose sha256 is "
-                           f"{hashlib.sha256(data).hexdigest()}: refused by digest, never loaded; the entry "
-                           "is recompiled and re-uploaded")
-
     # ------------------------------------------------------------------ the contract
 
     def get(self, key: str) -> bytes | None:
@@ -211,20 +208,40 @@ class HttpStore(FleetStore):
                 log.debug("%s: cas/%s of key %s is gone (evicted after its record was read): a miss",
                           self.url, digest, key)
                 return None
-            if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
-                self._refuse(key, digest, data)
-                return None
+            # No digest check here: the bytes go to the tiered cache, whose envelope check (digest, key,
+            # HMAC) refuses anything but a whole entry for this key, as for every store (one hash per read).
             return data
 
         return self._guard("get", None, read)
 
     def get_many(self, keys: Iterable[str], parallel: int = _PARALLEL) -> dict[str, bytes]:
-        """Parallel `get`s (a miss costs one request; the API has no batch lookup)."""
+        """A job's prefetch: every record in one pipelined batch (see `contains_many`), then the blobs of
+        the live ones, `_PARALLEL` in flight. A single `get` pays two round trips (record, then blob);
+        here the records cost a few microseconds each."""
         wanted = check_keys(list(dict.fromkeys(keys)))
-        out: dict[str, bytes] = {}
-        for key, data in zip(wanted, self._map(self.get, wanted)):
-            if data is not None:
-                out[key] = data
+        if len(wanted) <= 4:
+            return {k: d for k, d in zip(wanted, self._map(self.get, wanted)) if d is not None}
+        answers: list[tuple[int, bytes] | None] | None = self._guard(
+            "get_many", None, lambda: self._pipelined([self._ac(k) for k in wanted]))
+        if answers is None:
+            return {}
+        records: dict[str, tuple[str, int]] = {}
+        rest: list[str] = []
+        for key, answer in zip(wanted, answers):
+            if answer is None:
+                rest.append(key)
+            elif answer[0] == 200 and (record := parse_record(answer[1], key)) is not None:
+                if record[1] <= self.max_entry:
+                    records[key] = record
+
+        def blob(key: str) -> bytes | None:
+            status, data = self._request("GET", self._cas(records[key][0]), limit=self.max_entry)
+            return None if status == 404 else data
+
+        live = list(records)
+        blobs: list[bytes | None] = self._guard("get_many", [], lambda: self._map(blob, live))
+        out = {k: d for k, d in zip(live, blobs) if d is not None}
+        out.update((k, d) for k, d in zip(rest, self._map(self.get, rest)) if d is not None)
         return out
 
     def put(self, key: str, data: bytes) -> bool:
@@ -239,34 +256,106 @@ class HttpStore(FleetStore):
         digest = hashlib.sha256(blob).hexdigest()
 
         def write() -> bool:
-            with self._refused_lock:
-                refused = key in self._refused
-            if not refused:
-                # 1. First writer wins: keep a live record whose blob is still there.
-                record = self._record(key)
-                if record is not None and self._request("HEAD", self._cas(record[0]))[0] != 404:
-                    return True
+            # 1. First writer wins: keep a live record whose blob is still there.
+            record = self._record(key)
+            if record is not None and self._request("HEAD", self._cas(record[0]))[0] != 404:
+                return True
             # 2. The blob before the record, so a record never names a missing blob (until eviction).
-            if refused or self._request("HEAD", self._cas(digest))[0] == 404:
+            if self._request("HEAD", self._cas(digest))[0] == 404:
                 self._request("PUT", self._cas(digest), blob)
             self._request("PUT", ac, make_record(key, digest, len(blob)))
-            with self._refused_lock:
-                self._refused.discard(key)
             return True
 
         return self._guard("put", False, write)
 
     def contains_many(self, keys: Iterable[str]) -> set[str]:
-        """A live record per key (parallel requests; the API has no batch lookup). bazel-remote answers a
-        record only while its blob is there; a WebDAV server does not check, and a blob gone since is a
-        miss when read."""
+        """A live record per key. The API has no batch lookup, so the record GETs are pipelined (HTTP/1.1:
+        up to `_PIPELINE` requests written ahead on each of a few connections, answers read in order),
+        which costs a fraction of one request at a time; a server that answers in a way pipelining
+        cannot follow (no Content-Length, an early close) gets the rest as ordinary requests.
+        bazel-remote answers a record only while its blob is there; a WebDAV server does not check, and a
+        blob gone since is a miss when read."""
         wanted = check_keys(list(dict.fromkeys(keys)))
         if not wanted:
             return set()
-        found: set[str] = self._guard(
+        if len(wanted) > 4:
+            paths = [self._ac(k) for k in wanted]
+            answers: list[tuple[int, bytes] | None] | None = self._guard(
+                "contains_many", None, lambda: self._pipelined(paths))
+            if answers is None:
+                return set()
+            found = {k for k, a in zip(wanted, answers) if a is not None and a[0] == 200 and parse_record(a[1], k)}
+            rest = [k for k, a in zip(wanted, answers) if a is None]
+            if not rest:
+                return found
+            wanted = rest
+        else:
+            found = set()
+        more: set[str] = self._guard(
             "contains_many", set(),
             lambda: {k for k, rec in zip(wanted, self._map(self._record, wanted)) if rec is not None})
-        return found
+        return found | more
+
+    def _pipelined(self, paths: list[str]) -> list[tuple[int, bytes] | None]:
+        """GET every path over a few pipelined connections: (status, body) per path, None where the
+        answer could not be read this way (the caller asks again one request at a time). Raises for a
+        status other than 2xx/404, like `_request`."""
+        chunks = [paths[i:i + _PIPELINE] for i in range(0, len(paths), _PIPELINE)]
+        out: list[tuple[int, bytes] | None] = []
+        for got in self._map(self._pipeline_one, chunks):  # type: ignore[arg-type]
+            out.extend(got)
+        return out
+
+    def _pipeline_one(self, paths: list[str]) -> list[tuple[int, bytes] | None]:
+        parts = urllib.parse.urlsplit(self.origin)
+        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+        head = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
+        requests = "".join(f"GET {p} HTTP/1.1\r\nHost: {parts.netloc}\r\n{head}\r\n" for p in paths).encode()
+        sock = socket.create_connection((host, port), timeout=min(self.timeout_s, 5.0))
+        try:
+            if parts.scheme == "https":
+                sock = self._ssl_context.wrap_socket(sock, server_hostname=host)
+            sock.settimeout(self.timeout_s)
+            # Write from another thread, so a server that stops reading until we read cannot deadlock us.
+            writer = threading.Thread(target=_send_all, args=(sock, requests), daemon=True)
+            writer.start()
+            answers: list[tuple[int, bytes] | None] = []
+            buf = b""
+            for path in paths:
+                while b"\r\n\r\n" not in buf:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        break
+                    buf += data
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    break  # closed early (keepalive_requests, a proxy): the rest one at a time
+                lines = buf[:end].decode("latin-1").split("\r\n")
+                status = int(lines[0].split(" ", 2)[1])
+                fields = {ln.split(":", 1)[0].strip().lower(): ln.split(":", 1)[1].strip() for ln in lines[1:] if ":" in ln}
+                length = fields.get("content-length")
+                if length is None or not length.isdigit() or "chunked" in fields.get("transfer-encoding", ""):
+                    break  # not an answer pipelining can delimit
+                n = int(length)
+                if n > _MAX_RECORD:
+                    raise HttpStatusError("GET", path, 413, b"record over the cap")
+                while len(buf) < end + 4 + n:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        break
+                    buf += data
+                if len(buf) < end + 4 + n:
+                    break
+                body, buf = buf[end + 4:end + 4 + n], buf[end + 4 + n:]
+                if not (200 <= status < 300 or status == 404):
+                    raise HttpStatusError("GET", path, status, body)
+                answers.append((status, body))
+                if fields.get("connection", "").lower() == "close":
+                    break
+            writer.join(timeout=self.timeout_s)
+        finally:
+            sock.close()
+        return answers + [None] * (len(paths) - len(answers))
 
     def delete(self, key: str) -> bool:
         ac = self._ac(key)
@@ -278,6 +367,26 @@ class HttpStore(FleetStore):
             return True
 
         return self._guard("delete", False, tombstone)
+
+    def quarantine(self, key: str, bad: bytes) -> bool:
+        """Tombstone the record if it still names `bad`'s digest (another host may have republished a good
+        entry meanwhile). A record naming another digest while `bad` came back means the server answered
+        with bytes that are not the blob it was asked for: counted (kind `digest`), record kept."""
+        bad_digest = hashlib.sha256(bad).hexdigest()
+
+        def tombstone() -> bool:
+            record = self._record(key)
+            if record is None:
+                return False
+            if record[0] != bad_digest:
+                self.faults.record("digest", "get",
+                                   f"the server answered cas/{record[0]} with {len(bad)} bytes whose sha256 is "
+                                   f"{bad_digest} (refused, never loaded)")
+                return False
+            self._request("PUT", self._ac(key), make_record(key, None, 0))
+            return True
+
+        return self._guard("quarantine", False, tombstone)
 
     def entries(self) -> Iterator[EntryInfo]:
         # Not a fault (nothing failed): one log line, no CacheWarning.
@@ -311,6 +420,13 @@ class HttpStore(FleetStore):
 # The few fields of build.bazel.remote.execution.v2.ActionResult we write and read, in protobuf's wire
 # format: ActionResult.output_files = 2 (OutputFile: path = 1, digest = 2), ActionResult.exit_code = 4,
 # Digest: hash = 1, size_bytes = 2. Unknown fields (bazel-remote adds execution_metadata = 9) are skipped.
+
+
+def _send_all(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass  # the reader sees the connection end and asks the rest one at a time
 
 
 def _varint(n: int) -> bytes:

@@ -47,9 +47,10 @@ def add_cache_options(p: argparse.ArgumentParser, *, fleet_flags: tuple[str, ...
                        help="compiler tier whose entries to make or look for [env TORCH_NEURONX_COMPILER, default aoti]")
 
 
-def add_tiers_option(p: argparse.ArgumentParser, default: str) -> None:
+def add_tiers_option(p: argparse.ArgumentParser, default: str | None, shown: str | None = None) -> None:
     p.add_argument("--tiers", choices=["local", "fleet", "all"], default=default,
-                   help=f"which cache tiers to act on (default: {default}; 'all' = local + the fleet store if one is set)")
+                   help=f"which cache tiers to act on (default: {shown or default}; 'all' = local + the fleet "
+                        "store if one is set)")
 
 
 def add_json_option(p: argparse.ArgumentParser) -> None:
@@ -106,8 +107,9 @@ def open_fleet(cfg: _config.Config) -> CacheBackend | None:
         raise UsageError(f"fleet store {cfg.cache_dir!r}: {e}") from e
 
 
-def open_tiers(cfg: _config.Config, which: str) -> list[Tier]:
-    """The tiers named by `--tiers`. `fleet` without a fleet store configured is a usage error."""
+def open_tiers(cfg: _config.Config, which: str, listing: bool = True) -> list[Tier]:
+    """The tiers named by `--tiers`. `fleet` without a fleet store configured is a usage error. With
+    `listing` (the command walks every entry), a store that cannot list its entries is named on stderr."""
     tiers: list[Tier] = []
     if which in ("local", "all"):
         tiers.append(Tier("local", open_local(cfg)))
@@ -118,6 +120,10 @@ def open_tiers(cfg: _config.Config, which: str) -> list[Tier]:
                 raise UsageError("--tiers fleet needs a fleet store: pass --fleet URL or set TORCH_NEURONX_NEFF_CACHE_DIR")
         else:
             tiers.append(Tier("fleet", fleet))
+            if listing and not fleet.lists_entries:
+                print(f"neuron-cache: the fleet store {fleet.url} cannot list its entries: this command sees none "
+                      "of them (the server evicts on its own; `neuron-cache verify --manifest FILE` checks a job's "
+                      "entries)", file=sys.stderr)
     return tiers
 
 

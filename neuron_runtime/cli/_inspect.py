@@ -42,10 +42,13 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("verify", help="re-check every entry's digest, signature and key; quarantine bad ones; "
-                                      "exit 1 if any")
-    _common.add_tiers_option(p, "all")
+                                      "exit 1 if any (with --manifest: also if any of its entries is missing)")
+    _common.add_tiers_option(p, None, "all; with --manifest: fleet if one is set, else local")
+    p.add_argument("--manifest", metavar="FILE",
+                   help="check only the entries of this manifest (all shards of a sharded warm-up), and report "
+                        "those missing: did everything land? Works on stores that cannot list (http://)")
     p.add_argument("--dry-run", action="store_true", help="report bad entries but leave them in place")
-    _common.add_cache_options(p)
+    _common.add_cache_options(p, tier=True)
     _common.add_json_option(p)
     p.set_defaults(func=cmd_verify)
 
@@ -236,21 +239,66 @@ def _quarantine(cfg: _config.Config, tier: str, key: str, reason: str, data: byt
         return None
 
 
+def _manifest_wanted(cfg: _config.Config, manifest: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """What `verify --manifest` looks for: one item per signature with its candidate keys (a shape class
+    lands under its class key, or under its recorded exact shape's key where the tier has no generic
+    executable), and the manifest's bad lines."""
+    from neuron_runtime.cli._warm import key_manifest
+    from neuron_runtime.compiler import make_compiler
+    from neuron_runtime.signatures import _signature
+
+    if not os.path.isfile(manifest):
+        raise UsageError(f"no manifest at {manifest}")
+    fp = make_compiler(cfg).fingerprint()
+    keyed, errors = key_manifest(manifest, fp)
+    wanted = []
+    for rec, key in keyed:
+        sig = rec.signature or {}
+        candidates = [key]
+        if _shapes.is_class(sig) and isinstance(sig.get("example"), dict):
+            try:
+                candidates.append(_signature.cache_key(sig["example"], fp))
+            except (TypeError, ValueError):
+                pass
+        wanted.append({"line": rec.line, "op": sig.get("op"), "keys": candidates})
+    return wanted, errors
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     cfg = _cfg(args)
-    tiers = _common.open_tiers(cfg, args.tiers)
+    wanted: list[dict[str, Any]] | None = None
+    manifest_errors: list[dict[str, Any]] = []
+    which = args.tiers
+    if args.manifest:
+        wanted, manifest_errors = _manifest_wanted(cfg, args.manifest)
+        which = which or ("fleet" if cfg.cache_dir else "local")
+    tiers = _common.open_tiers(cfg, which or "all", listing=wanted is None)
     checked = 0
     bad: list[dict[str, Any]] = []
+    missing: list[dict[str, Any]] = []
     try:
         for tier in tiers:
-            for info in list(tier.backend.entries()):
+            if wanted is not None:
+                present = tier.backend.contains_many([k for w in wanted for k in w["keys"]])
+                infos = []
+                for w in wanted:
+                    key = next((k for k in w["keys"] if k in present), None)
+                    if key is None:
+                        missing.append({"tier": tier.name, "line": w["line"], "op": w["op"], "key": w["keys"][0]})
+                    else:
+                        infos.append(key)
+            else:
+                infos = [info.key for info in tier.backend.entries()]
+            for key in infos:
                 data: bytes | None = None
                 try:
-                    data = _common.read_entry(tier.backend, info.key)
+                    data = _common.read_entry(tier.backend, key)
                     if data is None:
+                        if wanted is not None:  # gone between the lookup and the read
+                            missing.append({"tier": tier.name, "line": None, "op": None, "key": key})
                         continue  # deleted since the listing
                     checked += 1
-                    check_entry(info.key, data, cfg.signing_key)
+                    check_entry(key, data, cfg.signing_key)
                 except IntegrityError as e:
                     if data is None:
                         checked += 1
@@ -259,25 +307,37 @@ def cmd_verify(args: argparse.Namespace) -> int:
                         op = envelope.peek_header(data)["signature"]["op"] if data else None
                     except (CacheError, KeyError, TypeError):
                         pass
-                    item = {"tier": tier.name, "key": info.key, "op": op, "reason": e.reason, "detail": str(e)}
+                    item = {"tier": tier.name, "key": key, "op": op, "reason": e.reason, "detail": str(e)}
                     if not args.dry_run:
-                        item["quarantined_to"] = _quarantine(cfg, tier.name, info.key, e.reason, data)
-                        item["deleted"] = bool(tier.backend.delete(info.key))
+                        item["quarantined_to"] = _quarantine(cfg, tier.name, key, e.reason, data)
+                        item["deleted"] = bool(tier.backend.delete(key))
                     bad.append(item)
-                    print(f"neuron-cache verify: BAD {tier.name} {info.key} ({op or 'unknown op'}): {e}",
+                    print(f"neuron-cache verify: BAD {tier.name} {key} ({op or 'unknown op'}): {e}",
                           file=sys.stderr)
     finally:
         _common.close_tiers(tiers)
-    out = {"checked": checked, "ok": checked - len(bad), "bad": bad, "signed": cfg.signing_key is not None}
+    out: dict[str, Any] = {"checked": checked, "ok": checked - len(bad), "bad": bad,
+                           "signed": cfg.signing_key is not None}
+    if wanted is not None:
+        out.update(manifest=os.path.abspath(args.manifest), signatures=len(wanted), missing=missing,
+                   manifest_errors=manifest_errors, tiers=[t.name for t in tiers])
     if args.json:
         _common.print_json(out)
     else:
+        if wanted is not None:
+            print(f"manifest {args.manifest}: {len(wanted)} signature(s); missing {len(missing)} "
+                  f"(tiers: {', '.join(t.name for t in tiers)})")
+            for m in missing:
+                print(f"  missing {m['tier']} {m['key']} {m['op'] or ''}"
+                      + (f" (manifest line {m['line']})" if m["line"] else ""))
+            for e in manifest_errors:
+                print(f"  bad manifest line {e['line']}: {e['error']}")
         print(f"checked {checked} entries: {out['ok']} ok, {len(bad)} bad"
               + ("" if not bad or args.dry_run else " (quarantined and deleted)"))
         for b in bad:
             print(f"  {b['tier']} {b['key']} {b['op'] or ''}: {b['detail']}"
                   + (f" -> {b['quarantined_to']}" if b.get("quarantined_to") else ""))
-    return PROBLEMS if bad else 0
+    return PROBLEMS if bad or missing or manifest_errors else 0
 
 
 # ------------------------------------------------------------------------------------------ prune / clear

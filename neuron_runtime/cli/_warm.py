@@ -6,7 +6,8 @@ warm:
      so reference entries never reach the real caches.
   2. Compile the recorded signatures for the target tier, as `compile` does.
 compile:
-  1. Read the manifest line by line; a bad line is reported with its number and skipped.
+  1. Read the manifest line by line; a bad line is reported with its number and skipped. With
+     `--shard I/N`, keep only the signatures whose key falls in shard I (`shard_of`).
   2. Key every signature with the target tier's fingerprint and ask each target tier (local, and the fleet
      store if one is set) which keys it holds (one batched call per tier). Entries the local tier has
      and the fleet lacks are verified and pushed.
@@ -42,6 +43,60 @@ from neuron_runtime.signatures import _shapes, _signature
 log = logging.getLogger(__name__)
 
 
+def parse_shard(text: str | None, index_env: str | None = None) -> tuple[int, int] | None:
+    """`I/N` -> (I, N); `N` alone takes I from `index_env` (Kubernetes' JOB_COMPLETION_INDEX); None -> None.
+    Raises `UsageError` naming the fix."""
+    if text is None or not text.strip():
+        return None
+    text = text.strip()
+    raw_i, sep, raw_n = text.partition("/")
+    if not sep:
+        raw_i, raw_n = (index_env or "").strip(), text
+        if not raw_i:
+            raise UsageError(f"--shard {text}: the shard index comes from JOB_COMPLETION_INDEX, which is not set; "
+                             f"pass --shard I/{text} (I from 0 to {text}-1)")
+    try:
+        i, n = int(raw_i), int(raw_n)
+    except ValueError:
+        raise UsageError(f"--shard {text!r}: expected I/N with 0 <= I < N (e.g. 0/4), or N with "
+                         "JOB_COMPLETION_INDEX set") from None
+    if n < 1 or not 0 <= i < n:
+        raise UsageError(f"--shard {text!r}: expected 0 <= I < N (I={i}, N={n}; indexes start at 0)")
+    return i, n
+
+
+def _shard_arg(args: argparse.Namespace) -> tuple[int, int] | None:
+    return parse_shard(args.shard if args.shard is not None else os.environ.get("NEURON_CACHE_SHARD"),
+                       os.environ.get("JOB_COMPLETION_INDEX"))
+
+
+def shard_of(key: str, n: int) -> int:
+    """The shard (0..n-1) that compiles `key`. It depends on the key alone, never on the rest of the
+    manifest: shards that recorded their own manifests still agree, every key has exactly one shard, and
+    the union of the shards is the unsharded set. (Keys are sha256: the split is even in expectation.)"""
+    return int(key[:16], 16) % n
+
+
+def key_manifest(manifest: str, fp: dict[str, Any]) -> tuple[list[tuple[_record.ManifestLine, str]],
+                                                               list[dict[str, Any]]]:
+    """The manifest's good lines with their keys for fingerprint `fp`, and the bad lines (reported on
+    stderr, each with its line number and reason)."""
+    keyed: list[tuple[_record.ManifestLine, str]] = []
+    errors: list[dict[str, Any]] = []
+    for rec in _record.scan_manifest(manifest):
+        if rec.error is not None:
+            log.error("%s", rec.error)
+            print(f"neuron-cache: {rec.error}", file=sys.stderr)
+            errors.append({"line": rec.line, "error": rec.error.reason})
+            continue
+        assert rec.signature is not None
+        try:
+            keyed.append((rec, _signature.cache_key(rec.signature, fp)))
+        except (TypeError, ValueError) as e:
+            errors.append({"line": rec.line, "error": f"cannot key this signature: {e}"})
+    return keyed, errors
+
+
 def add_parsers(sub: Any) -> None:
     def compile_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
@@ -49,6 +104,10 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("--timeout", type=float, default=None, metavar="S",
                        help="give up on one signature after S seconds (its worker is killed and replaced) "
                             "[env NEURON_CACHE_COMPILE_TIMEOUT, default: no limit]")
+        p.add_argument("--shard", metavar="I/N", default=None,
+                       help="compile only shard I (0-based) of N: a stable split of the manifest's signatures by "
+                            "key, so N CI jobs (or an Indexed Job) share the work; `N` alone takes I from "
+                            "JOB_COMPLETION_INDEX [env NEURON_CACHE_SHARD]")
         p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
         _common.add_cache_options(p, fleet_flags=("--to", "--fleet"), tier=True)
         _common.add_json_option(p)
@@ -82,6 +141,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         job = job[1:]
     if not job:
         raise UsageError("warm needs the job to run: neuron-cache warm [options] -- python train.py ARGS")
+    _shard_arg(args)  # a bad --shard is a usage error before the job runs, not after
     env = _common.runtime_env(args)
     cfg = _common.load_config(env)
     scratch = tempfile.mkdtemp(prefix="neuron-cache-warm-")
@@ -164,27 +224,15 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
         timeout = float(os.environ["NEURON_CACHE_COMPILE_TIMEOUT"])
     t0 = time.monotonic()
 
-    # 1. the manifest, bad lines reported and skipped
-    lines: list[_record.ManifestLine] = []
-    errors: list[dict[str, Any]] = []
-    for rec in _record.scan_manifest(manifest):
-        if rec.error is not None:
-            log.error("%s", rec.error)
-            print(f"neuron-cache: {rec.error}", file=sys.stderr)
-            errors.append({"line": rec.line, "error": rec.error.reason})
-        else:
-            lines.append(rec)
+    shard = _shard_arg(args)
 
-    # 2. keys and what the target tiers already hold
+    # 1-2. the manifest (bad lines reported and skipped), keyed for the target tier, and this shard's part
     compiler = make_compiler(cfg)
-    fp = compiler.fingerprint()
-    keyed: list[tuple[_record.ManifestLine, str]] = []
-    for rec in lines:
-        assert rec.signature is not None
-        try:
-            keyed.append((rec, _signature.cache_key(rec.signature, fp)))
-        except (TypeError, ValueError) as e:
-            errors.append({"line": rec.line, "error": f"cannot key this signature: {e}"})
+    keyed, errors = key_manifest(manifest, compiler.fingerprint())
+    total = len(keyed)
+    if shard is not None:
+        keyed = [(rec, key) for rec, key in keyed if shard_of(key, shard[1]) == shard[0]]
+        print(f"neuron-cache: shard {shard[0]}/{shard[1]}: {len(keyed)} of {total} signature(s)", file=sys.stderr)
     local = _common.open_local(cfg)
     fleet = _common.open_fleet(cfg)
     keys = [k for _, k in keyed]
@@ -264,6 +312,8 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
         "fleet": cfg.cache_dir,
         "jobs": jobs,
         "signatures": len(keyed),
+        "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
+        "manifest_signatures": total,
         "compiled": compiled,
         "present": present,
         "pushed": pushed,
@@ -363,7 +413,7 @@ class _Pool:
 
 
 def _run_log(summary: dict[str, Any]) -> dict[str, Any]:
-    keep = ("command", "tier", "fleet", "jobs", "signatures", "compiled", "present", "pushed", "refused",
+    keep = ("command", "tier", "fleet", "jobs", "signatures", "shard", "compiled", "present", "pushed", "refused",
             "failed", "seconds", "ok")
     out = {k: summary.get(k) for k in keep}
     out["finished"] = time.time()
@@ -377,7 +427,8 @@ def _report(summary: dict[str, Any], as_json: bool) -> None:
         return
     where = "local tier" + (f" + fleet {summary['fleet']}" if summary.get("fleet") else "")
     pushed = f" ({summary['pushed']} pushed to the fleet)" if summary["pushed"] else ""
-    print(f"{summary['signatures']} signature(s), tier {summary['tier']}, {where}: compiled {summary['compiled']}, "
+    part = f" (shard {summary['shard']} of {summary['manifest_signatures']})" if summary.get("shard") else ""
+    print(f"{summary['signatures']} signature(s){part}, tier {summary['tier']}, {where}: compiled {summary['compiled']}, "
           f"already present {summary['present']}{pushed}, refused {summary['refused']}, failed {summary['failed']} "
           f"in {summary['seconds']:.1f} s")
     for f in summary["failures"]:

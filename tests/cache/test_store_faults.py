@@ -109,21 +109,21 @@ def test_http_wrong_bytes_for_a_digest_are_refused_never_loaded(tmp_path: Path, 
     writer = HttpStore(url, timeout_s=5)
     assert writer.put(other, make_entry(other, b"someone else's executable"))
     assert writer.put(victim, make_entry(victim, b"the real executable"))
-    private_http.lie = True  # CAS reads now answer with another blob's bytes
+    private_http.lie = True  # CAS reads now answer with another blob's bytes (a valid entry of another key)
     fleet = HttpStore(url, timeout_s=5)
     cache, stats = tiered(tmp_path / "host", fleet)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         entry, source = cache.get_or_compile(victim, lambda: make_entry(victim, b"compiled here"))
-    assert (entry.payload, source) == (b"compiled here", "compiled")
-    assert fleet.faults.counts.get("digest", 0) >= 1 and set(fleet.faults.counts) == {"digest"}
+    assert (entry.payload, source) == (b"compiled here", "compiled")  # never loaded
+    assert stats["corrupt"] >= 1  # refused by the envelope's digest and key, counted
+    assert fleet.faults.counts.get("digest", 0) >= 1  # ... and the store names the server's answer
     shown = cache_warnings(caught)
-    assert any("refused by digest" in m for m in shown), shown
-    # The compile was re-uploaded over the record that led to the wrong bytes: an honest read finds it.
+    assert any("refused a fleet cache entry" in m for m in shown) and any("(digest)" in m for m in shown), shown
+    # The record was kept (it names the right blob; the server lied about the blob): an honest read finds it.
     private_http.lie = False
-    fresh = HttpStore(url, timeout_s=5)
-    got = fresh.get(victim)
-    assert got is not None and b"compiled here" in got
+    got = HttpStore(url, timeout_s=5).get(victim)
+    assert got is not None and b"the real executable" in got
 
 
 def test_http_entry_evicted_between_lookup_and_read(tmp_path: Path, private_http: Any) -> None:
@@ -176,3 +176,18 @@ def test_wrong_credentials_one_warning_and_the_job_trains_on(store: str, tmp_pat
     # One fault kind, reported once (a logging line and its CacheWarning), however many ops missed.
     assert 1 <= len(lines) <= 2 and len({line.split("neuron-runtime:", 1)[-1] for line in lines}) == 1, r.stderr
     assert "not-the-password" not in r.stderr
+
+
+def test_http_lookup_survives_a_server_that_closes_pipelined_connections(private_http: Any) -> None:
+    """contains_many pipelines its requests; a server that closes a connection early (nginx's
+    keepalive_requests, a proxy) gets the unanswered rest one request at a time."""
+    store = HttpStore(f"{private_http.url}/x", timeout_s=5)
+    present = [key_of(f"p{i}") for i in range(30)]
+    for k in present:
+        assert store.put(k, b"v")
+    absent = [key_of(f"a{i}") for i in range(30)]
+    private_http.max_per_connection = 7
+    before = len(private_http.requests)
+    assert store.contains_many(present + absent) == set(present)
+    assert store.faults.total == 0
+    assert len(private_http.requests) - before == len(present) + len(absent)  # each asked exactly once
