@@ -157,8 +157,10 @@ class HttpStore(FleetStore):
             data = b"" if method == "HEAD" else resp.read(limit + 1 if limit else None)
             if limit and len(data) > limit:
                 raise HttpStatusError(method, path, 413, f"answer is over the {limit}-byte cap".encode())
-        finally:
-            resp.release_conn()
+        except BaseException:
+            resp.close()  # unread bytes left on it: the connection must not go back to the pool
+            raise
+        resp.release_conn()
         if 200 <= resp.status < 300 or resp.status == 404:
             return resp.status, bytes(data)
         raise HttpStatusError(method, path, resp.status, data)
@@ -193,11 +195,10 @@ class HttpStore(FleetStore):
     # ------------------------------------------------------------------ the contract
 
     def get(self, key: str) -> bytes | None:
-        ac = self._ac(key)
+        check_key(key)
 
         def read() -> bytes | None:
-            status, body = self._request("GET", ac, limit=_MAX_RECORD)
-            record = None if status == 404 else parse_record(body, key)
+            record = self._record(key)
             if record is None:
                 return None
             digest, size = record
