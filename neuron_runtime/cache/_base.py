@@ -127,7 +127,7 @@ class CacheBackend(abc.ABC):
         """Claim the compile of `key` fleet-wide. None if someone else holds a live lease.
 
         Backends without leases return a no-op lease (everyone compiles; correctness is unaffected)."""
-        return _NullLease()
+        return NullLease()
 
     def wait_for(self, key: str, timeout_s: float) -> bytes | None:
         """Wait (bounded) for another holder's entry to appear; None when the wait ran out."""
@@ -137,6 +137,25 @@ class CacheBackend(abc.ABC):
         """Release resources. Idempotent."""
 
 
-class _NullLease(Lease):
+class NullLease(Lease):
+    """No claim at all: handed out by stores without leases, or that cannot hold one right now (down,
+    read-only). The holder compiles; first-writer-wins puts keep the result correct."""
+
     def release(self) -> None:
         pass
+
+
+class OnceLease(Lease):
+    """A lease whose `release` runs `_drop` at most once, however often it is called (holders release in
+    `finally` blocks and context managers alike). `_drop` must not raise (a store guards it)."""
+
+    _released = False
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._drop()
+
+    @abc.abstractmethod
+    def _drop(self) -> None: ...

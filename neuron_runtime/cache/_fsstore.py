@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from neuron_runtime.cache._base import CacheBackend, EntryInfo, Lease, check_key
+from neuron_runtime.cache._base import CacheBackend, EntryInfo, Lease, NullLease, OnceLease, check_key
 from neuron_runtime.cache._faults import FaultCounter
 
 log = logging.getLogger(__name__)
@@ -308,7 +308,7 @@ class SharedPathStore(FleetStore):
     def try_lease(self, key: str, ttl_s: float) -> Lease | None:
         path = self._lease_path(key)
         # A store we cannot write leases to must not make everyone wait: hand out a no-op lease.
-        no_lease: Lease | None = _NoLease()
+        no_lease: Lease | None = NullLease()
         result: Lease | None = self._guard("lease", no_lease, lambda: self._try_lease(path, ttl_s))
         return result
 
@@ -396,23 +396,11 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
-class _NoLease(Lease):
-    """Handed out when the store cannot hold leases (down, read-only): the caller compiles."""
-
-    def release(self) -> None:
-        pass
-
-
-class _FileLease(Lease):
+class _FileLease(OnceLease):
     def __init__(self, store: SharedPathStore, path: str, nonce: str) -> None:
         self._store, self._path, self._nonce = store, path, nonce
-        self._released = False
 
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-
+    def _drop(self) -> None:
         def drop() -> None:
             try:
                 with open(self._path, "rb") as f:
@@ -590,7 +578,7 @@ class S3Store(FleetStore):
 
     def try_lease(self, key: str, ttl_s: float) -> Lease | None:
         k = self._key(self.lease_relpath(check_key(key)))
-        no_lease: Lease | None = _NoLease()
+        no_lease: Lease | None = NullLease()
         result: Lease | None = self._guard("lease", no_lease, lambda: self._call(self._try_lease, k, ttl_s))
         return result
 
@@ -625,15 +613,11 @@ class S3Store(FleetStore):
         pass  # s3fs closes its session with fsspec's I/O loop at exit; nothing to release eagerly
 
 
-class _S3Lease(Lease):
+class _S3Lease(OnceLease):
     def __init__(self, store: S3Store, key: str, nonce: str) -> None:
         self._store, self._key, self._nonce = store, key, nonce
-        self._released = False
 
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
+    def _drop(self) -> None:
         store = self._store
 
         async def drop() -> None:

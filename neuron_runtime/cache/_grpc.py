@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from neuron_runtime.cache._base import CacheBackend, EntryInfo, Lease, check_key, check_keys
+from neuron_runtime.cache._base import CacheBackend, EntryInfo, Lease, NullLease, OnceLease, check_key, check_keys
 from neuron_runtime.cache._errors import StoreConfigError
 from neuron_runtime.cache._faults import FaultCounter
 
@@ -89,22 +89,13 @@ class _Breaker:
         return self._open_until != 0.0
 
 
-class _ServerLease(Lease):
+class _ServerLease(OnceLease):
     def __init__(self, backend: "GrpcBackend", key: str, lease_id: str) -> None:
         self._backend, self._key, self._id = backend, key, lease_id
-        self._released = False
 
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
+    def _drop(self) -> None:
         # A failed release is harmless: the lease expires at its TTL and waiters then compile.
         self._backend._guard("release_lease", lambda c, t: c.release_lease(self._key, self._id, timeout=t), False)
-
-
-class _NoLease(Lease):
-    def release(self) -> None:
-        pass
 
 
 class GrpcBackend(CacheBackend):
@@ -229,7 +220,7 @@ class GrpcBackend(CacheBackend):
         res = self._guard("try_lease", lambda c, t: c.acquire_lease(key, ttl_s, self._holder, timeout=t), None)
         if res is None:
             # No server answer: compile without a lease (correctness is unaffected; puts are first-wins).
-            return _NoLease()
+            return NullLease()
         if res.acquired:
             return _ServerLease(self, key, res.lease_id)
         # Held by someone else, or already stored: either way the caller waits (and finds it at once).

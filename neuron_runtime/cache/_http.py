@@ -56,7 +56,6 @@ from typing import TYPE_CHECKING, Any
 
 from neuron_runtime.cache import _urls
 from neuron_runtime.cache._base import EntryInfo, check_key, check_keys
-from neuron_runtime.cache._errors import StoreConfigError
 from neuron_runtime.cache._fsstore import LAYOUT_VERSION, FleetStore
 
 if TYPE_CHECKING:
@@ -88,15 +87,9 @@ class HttpStore(FleetStore):
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 10.0) -> None:
         import urllib3
 
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise StoreConfigError(f"{_urls.redact(url)!r}: expected http(s)://HOST[:PORT][/INSTANCE]")
-        opts = _urls.options(url, _OPTIONS)
+        parts, opts, port = _urls.split(url, "http", "https", _OPTIONS, "http(s)://HOST[:PORT][/INSTANCE]")
+        assert parts.hostname is not None
         super().__init__(_urls.redact(url), timeout_s)
-        try:
-            port = parts.port
-        except ValueError as e:
-            raise StoreConfigError(f"{_urls.redact(url)!r}: {e}") from None
         self.base = parts.path.rstrip("/")
         self.max_entry = _urls.size(url, "max_entry", opts["max_entry"]) if "max_entry" in opts else DEFAULT_MAX_ENTRY
         self.headers: dict[str, str] = {"User-Agent": "neuron-runtime"}
@@ -108,19 +101,11 @@ class HttpStore(FleetStore):
             self.headers["Authorization"] = f"Bearer {token}"
         pool_kw: dict[str, Any] = {}
         if parts.scheme == "https":
-            for name in ("ca", "cert", "key"):
-                if name in opts:
-                    try:
-                        open(opts[name], "rb").close()
-                    except OSError as e:
-                        raise StoreConfigError(f"{_urls.redact(url)!r}: cannot read {name}={opts[name]}: {e}") from None
             context = ssl.create_default_context(cafile=opts.get("ca"))
             if "cert" in opts:
                 context.load_cert_chain(opts["cert"], opts.get("key"))
             pool_kw["ssl_context"] = context
             self._ssl_context = context
-        elif {"ca", "cert", "key"} & set(opts):
-            raise StoreConfigError(f"{_urls.redact(url)!r}: ca=/cert=/key= need https://")
         host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
         self.origin = f"{parts.scheme}://{host}" + (f":{port}" if port else "")
         self.pool = urllib3.PoolManager(

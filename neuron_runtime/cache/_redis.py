@@ -42,9 +42,9 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from neuron_runtime.cache import _urls
-from neuron_runtime.cache._base import EntryInfo, Lease, check_key, check_keys
+from neuron_runtime.cache._base import EntryInfo, Lease, NullLease, OnceLease, check_key, check_keys
 from neuron_runtime.cache._errors import StoreConfigError
-from neuron_runtime.cache._fsstore import LAYOUT_VERSION, FleetStore, _NoLease
+from neuron_runtime.cache._fsstore import LAYOUT_VERSION, FleetStore
 
 if TYPE_CHECKING:
     from neuron_runtime._config import Config
@@ -71,25 +71,18 @@ class RedisStore(FleetStore):
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-            raise StoreConfigError(f"{_urls.redact(url)!r}: expected redis://HOST:PORT or rediss://HOST:PORT")
-        opts = _urls.options(url, _OPTIONS)
+        parts, opts, port = _urls.split(url, "redis", "rediss", _OPTIONS, "redis://HOST:PORT or rediss://HOST:PORT")
         super().__init__(_urls.redact(url), timeout_s)
         self.prefix = opts.get("prefix", DEFAULT_PREFIX)
         self.ttl_ms = int(_urls.duration(url, "ttl", opts["ttl"]) * 1000) if "ttl" in opts else None
         self.max_entry = _urls.size(url, "max_entry", opts["max_entry"]) if "max_entry" in opts else DEFAULT_MAX_ENTRY
         self.cluster = opts.get("cluster", "0").lower() in ("1", "true", "yes")
-        try:
-            port = parts.port or 6379
-        except ValueError as e:
-            raise StoreConfigError(f"{_urls.redact(url)!r}: {e}") from None
         db = parts.path.strip("/")
         if db and (not db.isdigit() or self.cluster):
             raise StoreConfigError(f"{_urls.redact(url)!r}: the path is a database number (and a cluster has only 0)")
         kwargs: dict[str, Any] = {
             "host": parts.hostname,
-            "port": port,
+            "port": port or 6379,
             "username": urllib.parse.unquote(parts.username) if parts.username else None,
             "password": urllib.parse.unquote(parts.password) if parts.password else password,
             "socket_timeout": timeout_s,
@@ -101,11 +94,6 @@ class RedisStore(FleetStore):
         if parts.scheme == "rediss":
             kwargs.update(ssl=True, ssl_ca_certs=opts.get("ca"), ssl_certfile=opts.get("cert"),
                           ssl_keyfile=opts.get("key"))
-        elif {"ca", "cert", "key"} & set(opts):
-            raise StoreConfigError(f"{_urls.redact(url)!r}: ca=/cert=/key= need rediss:// (TLS)")
-        for name in ("ca", "cert", "key"):
-            if name in opts and not os.path.isfile(opts[name]):
-                raise StoreConfigError(f"{_urls.redact(url)!r}: {name}={opts[name]} is not a readable file")
         self._kwargs = kwargs
         self._db = int(db or 0)
         self._client: Any = None
@@ -256,7 +244,7 @@ class RedisStore(FleetStore):
         def take() -> Lease | None:
             return _RedisLease(self, k, nonce) if self.client.set(k, nonce, nx=True, px=ttl_ms) else None
 
-        no_lease: Lease | None = _NoLease()
+        no_lease: Lease | None = NullLease()
         result: Lease | None = self._guard("lease", no_lease, take)
         return result
 
@@ -273,15 +261,11 @@ class RedisStore(FleetStore):
             pass
 
 
-class _RedisLease(Lease):
+class _RedisLease(OnceLease):
     def __init__(self, store: RedisStore, name: str, nonce: str) -> None:
         self._store, self._name, self._nonce = store, name, nonce
-        self._released = False
 
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
+    def _drop(self) -> None:
         store = self._store
         # A failed release is harmless: the server expires the lease at its TTL.
         store._guard("lease release", None, lambda: store.client.eval(_RELEASE, 1, self._name, self._nonce))

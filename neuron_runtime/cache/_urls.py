@@ -13,6 +13,33 @@ _AGE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|[smhdw]?)\s*", re.I)
 _UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 
+TLS_FILES = ("ca", "cert", "key")
+
+
+def split(url: str, plain: str, secure: str, allowed: set[str],
+          usage: str) -> tuple[urllib.parse.SplitResult, dict[str, str], int | None]:
+    """(the URL's parts, its options, its port) for a `plain://` or `secure://` (TLS) store URL, checked:
+    the scheme and a host, known options only, a valid port, and `ca=`/`cert=`/`key=` files that exist
+    and come with the TLS scheme. Raises `StoreConfigError` naming the URL without its password."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in (plain, secure) or not parts.hostname:
+        raise StoreConfigError(f"{redact(url)!r}: expected {usage}")
+    opts = options(url, allowed)
+    try:
+        port = parts.port
+    except ValueError as e:
+        raise StoreConfigError(f"{redact(url)!r}: {e}") from None
+    files = [name for name in TLS_FILES if name in opts]
+    if files and parts.scheme != secure:
+        raise StoreConfigError(f"{redact(url)!r}: {'=/'.join(files)}= need {secure}:// (TLS)")
+    for name in files:
+        try:
+            open(opts[name], "rb").close()
+        except OSError as e:
+            raise StoreConfigError(f"{redact(url)!r}: cannot read {name}={opts[name]}: {e}") from None
+    return parts, opts, port
+
+
 def options(url: str, allowed: set[str]) -> dict[str, str]:
     """The query options of `url` (the last value of each); an unknown one is a `StoreConfigError`."""
     query = urllib.parse.urlsplit(url).query
