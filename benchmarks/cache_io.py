@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis", action="store_true")
     ap.add_argument("--http", action="store_true")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--store-entry-bytes", type=int, default=1 << 20,
+                    help="entry size for --redis/--http (default 1 MiB, the target's size)")
     args = ap.parse_args(argv)
     import hashlib
 
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             tiers["s3_moto"] = _s3(keys, blobs)
         result["tiers"] = tiers
         if args.redis or args.http:
-            result["stores_vs_raw_client"] = _stores(Path(tmp), args.redis, args.http, args.rounds)
+            result["stores_vs_raw_client"] = _stores(Path(tmp), args.redis, args.http, args.rounds,
+                                                     args.store_entry_bytes)
     result["loadavg"] = [round(x, 2) for x in os.getloadavg()]
     json.dump(result, sys.stdout, indent=2)
     print()
@@ -187,12 +190,11 @@ def _lookup(name: str, store: CacheBackend, present: list[str], rounds: int) -> 
     return out
 
 
-def _stores(tmp: Path, redis_on: bool, http_on: bool, rounds: int) -> dict[str, object]:
+def _stores(tmp: Path, redis_on: bool, http_on: bool, rounds: int, size: int) -> dict[str, object]:
     import hashlib
 
     for extra in (_ROOT, _ROOT / "tests", _ROOT / "benchmarks"):
         sys.path.insert(0, str(extra))
-    size = 1 << 20
     n = 24
     keys = [hashlib.sha256(f"mib{i}".encode()).hexdigest() for i in range(n)]
     header = {"signature": {"op": "aten::mm"}, "fingerprint": {"tier": "bench"}}

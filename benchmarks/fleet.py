@@ -32,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 JOB = """
 import json, os, sys, time, torch, neuron_runtime
@@ -50,13 +51,39 @@ print(json.dumps({'compiles': s['compiles'], 'hits': s['hits'], 'lease_waits': s
 """
 
 
-def run_fleet(n: int, store_url: str, env_base: dict[str, str], work: Path, single_flight: bool) -> dict[str, object]:
+# Another workload: a transformer block, a new batch every step, sequence lengths that vary, and
+# `loss.item()` every step (benchmarks/_models.py on the child's PYTHONPATH).
+JOB_BLOCK = """
+import json, time, torch, neuron_runtime, _models
+from neuron_runtime.aten import _dispatch
+t0 = time.perf_counter()
+torch.manual_seed(0)
+model, _ = _models.block()
+model = model.to('neuron')
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for seq in (16, 24, 32, 16, 24):
+    x = torch.randn(4, seq, 64, device='neuron')
+    opt.zero_grad(); loss = model(x).square().mean(); loss.backward(); opt.step(); loss.item()
+s = neuron_runtime.stats()
+print(json.dumps({'compiles': s['compiles'], 'hits': s['hits'], 'lease_waits': s.get('lease_waits', 0),
+                  'fleet_errors': s.get('fleet_errors', 0), 'corrupt': s.get('corrupt', 0),
+                  'keys': sorted(_dispatch.runtime().by_digest), 'wall_s': time.perf_counter() - t0}))
+"""
+JOBS = {"mlp": JOB, "block": JOB_BLOCK}
+
+
+def run_fleet(n: int, store_url: str, env_base: dict[str, str], work: Path, single_flight: bool,
+              job: str = "mlp") -> dict[str, object]:
     procs = []
     for i in range(n):
         env = dict(env_base, TORCH_NEURONX_NEFF_CACHE_DIR=store_url,
                    TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(work / f"host{i}"),
                    TORCH_NEURONX_SINGLE_FLIGHT="1" if single_flight else "0")
-        procs.append(subprocess.Popen([sys.executable, "-c", JOB], env=env, stdout=subprocess.PIPE,
+        if job != "mlp":
+            from _models import child_env  # type: ignore[import-not-found]
+
+            env = child_env(env)
+        procs.append(subprocess.Popen([sys.executable, "-c", JOBS[job]], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outs = []
     for p in procs:
@@ -80,6 +107,8 @@ def main() -> int:
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--tier", default="reference", choices=["reference", "aoti"])
     p.add_argument("--stores", default="path,s3,redis,http")
+    p.add_argument("--job", default="mlp", choices=sorted(JOBS), help="mlp (default) or block (a transformer "
+                   "block, variable sequence lengths, loss.item() every step)")
     p.add_argument("--shards", type=int, default=0, help="measure sharded warming with N shards instead")
     p.add_argument("--shard-rounds", type=int, default=1)
     args = p.parse_args()
@@ -124,10 +153,10 @@ def main() -> int:
                         bucket = f"fleet-{int(time.time() * 1000) % 10**9}-{int(single_flight)}"
                         moto.make_bucket(bucket)
                         url = f"s3://{bucket}/neff"
-                    r = run_fleet(args.hosts, url, env, work, single_flight)
-                    r["store"] = store
+                    r = run_fleet(args.hosts, url, env, work, single_flight, args.job)
+                    r["store"], r["job"] = store, args.job
                     if single_flight:
-                        joiner = run_fleet(1, url, env, work / "joiner", True)
+                        joiner = run_fleet(1, url, env, work / "joiner", True, args.job)
                         r["joining_host_compiles"] = joiner["fleet_compiles"]
                     results.append(r)
                     print(json.dumps(r), file=sys.stderr, flush=True)
