@@ -191,3 +191,57 @@ def test_http_lookup_survives_a_server_that_closes_pipelined_connections(private
     assert store.contains_many(present + absent) == set(present)
     assert store.faults.total == 0
     assert len(private_http.requests) - before == len(present) + len(absent)  # each asked exactly once
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length_on_error", "chunked_within_cap"])
+def test_http_answers_over_the_entry_cap_are_never_read_whole(framing: str) -> None:
+    """A store (or something in front of it) answering with more than `max_entry` bytes: a chunked body is
+    read up to the cap and refused, an error answer with a huge Content-Length too; neither is buffered."""
+    import http.server
+    import threading
+
+    cap = 4096
+    sent: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if framing == "length_on_error":
+                self.send_response(500)
+                self.send_header("Content-Length", str(1 << 30))  # a lie: 3 * cap bytes come, then the end
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(b"x" * (3 * cap))
+                self.close_connection = True
+                return
+            total = cap // 2 if framing == "chunked_within_cap" else 32 << 20  # more than socket buffers hold
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            try:
+                for _ in range(total // 1024):
+                    self.wfile.write(b"400\r\n" + b"y" * 1024 + b"\r\n")
+                    sent.append(1024)
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:
+                pass  # the client hung up after the cap: what the test wants
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        store = HttpStore(f"http://127.0.0.1:{server.server_address[1]}/c", timeout_s=5)
+        if framing == "chunked_within_cap":
+            assert store._request("GET", "/c/cas/x", limit=cap) == (200, b"y" * (cap // 2))
+            return
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as e:
+            store._request("GET", "/c/cas/x", limit=cap)
+        assert time.monotonic() - t0 < 4  # refused at the cap or at the end of what came, not at a timeout
+        if framing == "chunked":
+            assert getattr(e.value, "status", None) == 413 and sum(sent) < 32 << 20, e.value
+    finally:
+        server.shutdown()
