@@ -8,7 +8,8 @@
                   views of neuron tensors, host runs and fallbacks
     _fusion.py    the experimental fusion queue (TORCH_NEURONX_ENABLE_CONCATENATION=1)
     _widen.py     dtypes a host kernel lacks, computed in a wider one
-    _writes.py    checks on what in-place and out= ops write (device, dtype)
+    _writes.py    checks on what in-place and out= ops write (device, dtype), in CUDA's words
+    _quantized.py quantized tensors: refused with one error wherever one would be made on neuron
 
 A call's signature goes down to `executables/` for its executable. Nothing here is public API.
 """

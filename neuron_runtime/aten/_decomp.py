@@ -9,6 +9,7 @@
     compiles, and the new running statistics are copied back.
   * Factories with out= (`_ops.FACTORY_OUT`: arange/linspace/logspace/eye reach these on every device): the
     functional factory compiles (its Scalars keyed by value), and its result is copied into `out`.
+  * `narrow_copy`: a narrow view and a copy, as on CUDA (CPU's kernel words its argument errors otherwise).
   * `equal`: eq(a, b).all() through executables, then one value read back (CUDA computes it the same way);
     `_local_scalar_dense` (`.item()`): a one-value device-to-host read.
   * Dtypes the host kernel lacks are widened by one rule for every op (`_widen`); two exceptions live here,
@@ -145,6 +146,13 @@ def _composite_widen(name: str) -> Callable[..., Any]:
 COMPOSITE_WIDEN: dict[str, Callable[..., Any]] = {f"fft_{n}": _composite_widen(f"fft_{n}") for n in FFT_OPS}
 
 
+def narrow_copy(self: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """As CUDA computes it (a narrow view, then a contiguous copy): CPU's own kernel checks its arguments
+    with other messages ("Expected dim < ... to be true") than the ones CUDA users and PyTorch's error
+    inputs expect ("Dimension out of range", "narrow(): length must be non-negative.")."""
+    return self.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
     **{f"aten::{op}": _factory_out(f) for op, f in _ops.FACTORY_OUT.items()},
     "aten::_local_scalar_dense": local_scalar_dense,
@@ -156,4 +164,5 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "aten::_efficientzerotensor": efficientzerotensor,
     "aten::mode.values": _lazy_generic("aten::mode.values"),
     "aten::nansum": _nansum("aten::nansum"),
+    "aten::narrow_copy": narrow_copy,
 }

@@ -10,19 +10,47 @@ import torch
 
 from .._native import _hostmem
 from ..signatures import _ops
-from . import _decomp, _dispatch, _fusion, _generic, _special
+from . import _decomp, _dispatch, _fusion, _generic, _quantized, _special
 
 #: Ops with a kernel of their own: allocation, copies, resizes (`_special`), and ops computed from other
 #: ops (`_decomp`). Every other op gets the kernel of its kind (`_generic`).
-SPECIAL: dict[str, Callable[..., Any]] = {**_special.KERNELS, **_decomp.KERNELS}
+SPECIAL: dict[str, Callable[..., Any]] = {**_special.KERNELS, **_decomp.KERNELS, **_quantized.KERNELS}
 _kernels: dict[str, Callable[..., Any]] = {}
 _library: torch.library.Library | None = None
+_fallbacks: torch.library.Library | None = None
+
+
+#: Index arguments CUDA's kernel accepts as CPU tensors (any size) for a device `self`; here they move to
+#: neuron first (index tensors are small). Every other CPU tensor but a 0-dim scalar is an error, as on CUDA.
+CPU_INDEX_ARGS: dict[str, tuple[str, str]] = {
+    f"aten::{op}": ("index", "CUDA's index_fill_ accepts a CPU index tensor (PyTorch's stable-sort test uses one)")
+    for op in ("index_fill_.int_Scalar", "index_fill_.int_Tensor", "index_fill.int_Scalar", "index_fill.int_Tensor")
+}
+
+
+def _moving_cpu_index(kernel: Callable[..., Any], qualname: str) -> Callable[..., Any]:
+    """`kernel` with the CPU index argument of `CPU_INDEX_ARGS[qualname]` moved to neuron."""
+    name = CPU_INDEX_ARGS[qualname][0]
+    pos = [a.name for a in _ops.classify(qualname).args].index(name)
+
+    def moving_kernel(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > pos:
+            v = args[pos]
+            if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+                args = (*args[:pos], v.to(_dispatch.DEVICE), *args[pos + 1:])
+        elif isinstance(kwargs.get(name), torch.Tensor) and kwargs[name].device.type == "cpu":
+            kwargs[name] = kwargs[name].to(_dispatch.DEVICE)
+        return kernel(*args, **kwargs)
+
+    return moving_kernel
 
 
 def kernel_for(qualname: str) -> Callable[..., Any]:
     k = _kernels.get(qualname)
     if k is None:
         k = SPECIAL.get(qualname) or _generic.kernel_for(qualname)
+        if qualname in CPU_INDEX_ARGS:
+            k = _moving_cpu_index(k, qualname)  # (a Python kernel: the native hit path never sees a CPU index)
         if _dispatch.runtime().fusion is not None and not hasattr(k, "__neuron_source__"):
             k = _flushing(k, qualname)
         _kernels[qualname] = k
@@ -59,6 +87,9 @@ def register_all() -> int:
             lib.impl(op, torch.library.fallthrough_kernel, key)
     for op, kernel in _decomp.COMPOSITE_WIDEN.items():
         lib.impl(op, kernel, "AutogradPrivateUse1")
+    global _fallbacks
+    _fallbacks = torch.library.Library("_", "IMPL")
+    _fallbacks.fallback(_quantized.fallback, "QuantizedPrivateUse1")  # one error for quantized tensors
     _library = lib
     return len(names)
 

@@ -25,7 +25,13 @@ def device_error(t: torch.Tensor) -> RuntimeError:
 
 
 def out_device_error(t: torch.Tensor) -> RuntimeError:
-    return RuntimeError(f"Expected out tensor to have device {DEVICE}:0, but got {t.device} instead")
+    """An out= tensor on another device. CUDA words this by kernel: TensorIterator ops "Expected all tensors
+    to be on the same device, ...", structured kernels "Expected out tensor to have device cuda:0, but got
+    cpu instead", `nonzero` "expected self and out to be on the same device". Both of CUDA's sentences, so
+    code (and PyTorch's own tests) matching either one works on neuron."""
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {DEVICE}:0 and "
+        f"{t.device}! Expected out tensor to have device {DEVICE}:0, but got {t.device} instead")
 
 
 def check_mutated(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
@@ -70,8 +76,12 @@ def check_out_dtype(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
     except RuntimeError as e:
         if "dtype" not in str(e) and "cast" not in str(e):
             return False  # the meta kernel refuses something else (data-dependent shapes): the op decides
-        # The message CPU and CUDA give where meta words it differently: TensorIterator's for a result that
-        # cannot be cast; the meta kernel's for ops that want the exact dtype.
+        # The message CPU and CUDA give where meta words it differently: CPU's own out= kernel, whose
+        # structured meta function CUDA shares (`isposinf`: "does not support non-boolean outputs"), else
+        # TensorIterator's for a result that cannot be cast, else the meta kernel's.
+        cpu_error = _cpu_out_error(info, values)
+        if cpu_error is not None:
+            raise RuntimeError(cpu_error) from None
         for o, r in zip(outs, res):
             if not torch.can_cast(r, o.dtype):
                 raise RuntimeError(f"result type {_dtype_name(r)} can't be cast to the desired output type "
@@ -80,6 +90,26 @@ def check_out_dtype(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
     except Exception:  # noqa: BLE001
         return False
     return True
+
+
+def _cpu_out_error(info: _ops.OpInfo, values: tuple[Any, ...]) -> str | None:
+    """The message of the op's CPU out= kernel for these arguments' metadata (zeros of the same sizes,
+    strides and dtypes: only ever on the way to an error), or None if CPU accepts them."""
+    def zeros(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return type(v)(zeros(x) for x in v)
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype).zero_()
+        return v
+
+    try:
+        info.op(*[zeros(v) for a, v in zip(info.args, values) if not a.kwarg_only],
+                **{a.name: zeros(v) for a, v in zip(info.args, values) if a.kwarg_only})
+    except RuntimeError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 - anything else: the meta kernel's message stands
+        return None
+    return None
 
 
 def _dtype_name(d: torch.dtype) -> str:
