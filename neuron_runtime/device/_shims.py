@@ -9,6 +9,11 @@ Each patch changes behaviour only for `neuron` and says why it exists:
   * `torch.utils.swap_tensors` (used by `nn.Module.to` to keep Parameter identity) refuses tensors
     with weakrefs; the runtime's CPU-view cache holds one per neuron tensor. The cache entries are
     dropped first (they are re-derived on next use).
+  * lazy modules under that swap (`nn.Module.to` with `set_swap_module_params_on_conversion(True)`, which
+    the runtime turns on for Parameter identity): PyTorch's swap path wraps an uninitialized parameter in a
+    Parameter (which refuses it on CPU, and on neuron makes it a size-0 Parameter the module never
+    materialises). A module's uninitialized parameters and buffers are converted on their own (`fn(p)`
+    keeps them uninitialized, on the new device and dtype) and the rest goes through PyTorch's `_apply`.
   * pinned memory: `Tensor.pin_memory()` asks the current accelerator's hooks for a pinned allocator,
     which a Python backend cannot provide. Neuron memory *is* host memory, so pinning is a no-op.
   * backward on the calling thread: PyTorch's autograd engine runs every non-CPU device's backward on a
@@ -157,9 +162,43 @@ def install() -> None:
     torch.utils.swap_tensors = swap_tensors
 
     _route_inductor()
+    _install_lazy_apply()
 
     torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
     torch.Tensor.is_pinned = tensor_is_pinned  # type: ignore[method-assign]
+
+
+def _still_lazy(old: Any, new: torch.Tensor) -> Any:
+    """An uninitialized parameter or buffer like `old` on `new`'s device and dtype (`fn` returns a plain
+    empty tensor: Parameter disables torch functions, so the subclass is not kept)."""
+    if isinstance(old, torch.nn.parameter.UninitializedBuffer):
+        return type(old)(requires_grad=old.requires_grad, device=new.device, dtype=new.dtype,
+                         persistent=getattr(old, "persistent", True))
+    return type(old)(requires_grad=old.requires_grad, device=new.device, dtype=new.dtype)
+
+
+def _install_lazy_apply() -> None:
+    from torch.nn.parameter import is_lazy
+
+    apply = torch.nn.Module._apply
+
+    def _apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+        lazy = [(d, k, t) for d in (self._parameters, self._buffers) for k, t in d.items()
+                if t is not None and is_lazy(t)]
+        if not lazy:
+            return apply(self, fn, recurse)
+        for d, k, _ in lazy:
+            d[k] = None  # PyTorch's _apply skips None entries
+        try:
+            out = apply(self, fn, recurse)
+        finally:
+            with torch.no_grad():
+                for d, k, t in lazy:
+                    d[k] = _still_lazy(t, fn(t))
+        return out
+
+    _apply.__doc__ = apply.__doc__
+    torch.nn.Module._apply = _apply  # type: ignore[method-assign]
 
 
 def _route_inductor() -> None:

@@ -79,3 +79,22 @@ def test_quantized_tensors_are_refused_with_one_error() -> None:
             call()
     # The supported way: dequantize on the host.
     assert torch.equal(q.dequantize().to(DEV).cpu(), q.dequantize())
+
+
+def test_lazy_modules_materialise_on_neuron() -> None:
+    """`.to()` under the parameter swap the runtime turns on keeps a lazy module's parameters and buffers
+    uninitialized (on the new device and dtype) until its first forward, on neuron and on CPU alike."""
+    for make, x in [(lambda: torch.nn.LazyLinear(3), torch.randn(2, 5)),
+                    (lambda: torch.nn.LazyConv1d(4, 2), torch.randn(2, 3, 8)),
+                    (lambda: torch.nn.LazyBatchNorm1d(), torch.randn(4, 5))]:
+        torch.manual_seed(0)
+        ref = make()
+        expected = ref(x)
+        torch.manual_seed(0)
+        m = make().to(DEV)
+        assert m.has_uninitialized_params()
+        out = m(x.to(DEV))
+        assert not any(torch.nn.parameter.is_lazy(p) for p in [*m.parameters(), *m.buffers()])
+        assert all(p.device.type == "neuron" for p in [*m.parameters(), *m.buffers()])
+        assert torch.allclose(out.cpu(), expected, atol=1e-6)
+        assert make().to(torch.float64)(x.double()).dtype == torch.float64  # CPU conversions too
