@@ -122,9 +122,10 @@ _VARS: dict[str, tuple[str, object]] = {
     "TORCH_NEURONX_PREFETCH": ("prefetch", lambda v: _flag(v, True)),
     "TORCH_NEURONX_SHAPES": ("shapes", str.lower),
 }
-# Read elsewhere (signing key material; the native layer, loaded before any Config), listed so they are
-# not reported as unknown.
-_OTHER_KNOWN = {"TORCH_NEURONX_CACHE_SIGNING_KEY", "TORCH_NEURONX_CACHE_SIGNING_KEY_FILE", "TORCH_NEURONX_NATIVE"}
+# Read elsewhere (signing key material; the native layer, loaded before any Config; the upstream test
+# runner's PyTorch checkout), listed so they are not reported as unknown.
+_OTHER_KNOWN = {"TORCH_NEURONX_CACHE_SIGNING_KEY", "TORCH_NEURONX_CACHE_SIGNING_KEY_FILE", "TORCH_NEURONX_NATIVE",
+                 "TORCH_NEURONX_PYTORCH_TESTS"}
 
 _COMPILERS = ("aoti", "reference")
 _MODES = ("readwrite", "readonly", "strict")
