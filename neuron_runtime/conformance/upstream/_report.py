@@ -131,7 +131,8 @@ def markdown(rep: dict[str, Any]) -> str:
          f"device decorators, {c['skipped']} skipped on both, {c['neuron_better']} pass only on neuron.", ""]
     if s["import_errors"]:
         L += ["**Files that failed to import** (no test counted): " + ", ".join(f"`{n}`" for n in s["import_errors"]), ""]
-    L += ["| file | kind | pass | neuron only | shared with CPU | skipped on neuron | skipped | pass rate | CPU s | neuron s | ratio |",
+    L += ["| file | kind | pass | neuron only | shared with CPU | skipped on neuron | skipped | pass rate | CPU s | "
+          "neuron s | ratio |",
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n, f in rep["files"].items():
         k, t = f["counts"], f["seconds"]

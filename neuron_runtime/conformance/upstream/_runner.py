@@ -139,9 +139,10 @@ def run(tasks: list[Task], jobs: int, dtypes: list[str], timeout_s: float, progr
                                                f"{_tail_line(task.stderr_tail)}")
                 done = sum(1 for r in task.results.values() if r["outcome"] == "passed")
                 if not pending or task.restarts >= MAX_RESTARTS:
+                    broken = task.collect_errors and not task.results
                     progress.write(f"{task.path.name} [{task.device}{' ' + task.shard if task.shard else ''}]: "
                                    f"{len(task.results)} tests, {done} passed, {task.seconds:.0f} s"
-                                   f"{' - IMPORT ERROR: ' + task.collect_errors[0][:200] if task.collect_errors and not task.results else ''}\n")
+                                   f"{' - IMPORT ERROR: ' + task.collect_errors[0][:200] if broken else ''}\n")
                     progress.flush()
     finally:
         for s, h in old.items():
