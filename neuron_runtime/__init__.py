@@ -25,6 +25,7 @@ def _load() -> None:
         return
     from .device import _autocast, _conflicts, _register, _rnn, _shims
     from .aten import _kernels
+    from .executables import _megacache
     from . import _stats, distributed
 
     _conflicts.check()
@@ -36,6 +37,7 @@ def _load() -> None:
     _rnn.install()
     _stats.install_exit_hook()
     distributed.register()
+    _megacache.register()  # executables travel in torch.compiler.save_cache_artifacts() bundles
     _loaded = True
     _start_prefetch()
 
@@ -102,7 +104,9 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
 def reset() -> None:
     """Re-read the environment and start with empty in-process caches and counters."""
     from .aten import _dispatch
+    from .device import _torch_neuron
 
+    _torch_neuron.set_capacity()
     _dispatch.reset_runtime()
 
 

@@ -26,6 +26,24 @@ def _parse_size(text: str) -> int:
     return int(number * base**power)
 
 
+def _positive(n: int) -> int:
+    if n <= 0:
+        raise ValueError("must be more than 0 bytes")
+    return n
+
+
+def device_memory(env: dict[str, str] | None = None) -> int | None:
+    """TORCH_NEURONX_DEVICE_MEMORY alone, for the native layer's allocator (set up at import, before any
+    Config is read); raises ConfigError for a value it cannot use."""
+    raw = (os.environ if env is None else env).get("TORCH_NEURONX_DEVICE_MEMORY")
+    if not raw:
+        return None
+    try:
+        return _positive(_parse_size(raw))
+    except ValueError as e:
+        raise ConfigError(f"TORCH_NEURONX_DEVICE_MEMORY={raw!r}: {e}") from e
+
+
 def _flag(value: str | None, default: bool) -> bool:
     if value is None or value == "":
         return default
@@ -86,6 +104,8 @@ class Config:
     prefetch: bool = True
     # shape classes (docs/dispatch.md): static | generic | auto
     shapes: str = "auto"
+    # the device's memory capacity in bytes (torch.neuron.mem_get_info); None: the host's memory
+    device_memory: int | None = None
 
 
 # name -> (field, parser). The README's table lists exactly these.
@@ -121,6 +141,7 @@ _VARS: dict[str, tuple[str, object]] = {
     "TORCH_NEURONX_JOB": ("job", str),
     "TORCH_NEURONX_PREFETCH": ("prefetch", lambda v: _flag(v, True)),
     "TORCH_NEURONX_SHAPES": ("shapes", str.lower),
+    "TORCH_NEURONX_DEVICE_MEMORY": ("device_memory", lambda v: _positive(_parse_size(v))),
 }
 # Read elsewhere (signing key material; the native layer, loaded before any Config; the upstream test
 # runner's PyTorch checkout), listed so they are not reported as unknown.

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Each unit of neuron_runtime/ and its rank: a module may import a unit of a lower rank, or its own unit.
 RANKS = {
     "_config": 0,
+    "_profiling": 0,      # profiler ranges (imports nothing of the package, nor torch)
     "_native": 1,         # the C++ layer and host-memory relabelling, under everything that touches memory
     "signatures": 2,      # what a call is, as data: shared by aten/, executables/ and compiler/
     "cache": 3,           # with `envelope`, the entry format (public at the top for tools)

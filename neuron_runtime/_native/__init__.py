@@ -33,7 +33,7 @@ from .. import _config
 NAME = "_neuron_native"
 SOURCE = Path(__file__).with_name("fastpath.cpp")
 # Included by SOURCE: part of the build's tag.
-HEADERS = (Path(__file__).with_name("memory.h"), Path(__file__).with_name("process_group.h"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("memory.h", "process_group.h", "trace.h"))
 
 
 def enabled() -> bool:
@@ -67,6 +67,18 @@ def _target(cxx: str) -> Path:
     return _build_dir() / h.hexdigest()[:20] / (NAME + sysconfig.get_config_var("EXT_SUFFIX"))
 
 
+def _kineto_flags(includes: list[str]) -> list[str]:
+    """Kineto's headers and `USE_KINETO` when this torch was built with Kineto (the profiler's device
+    track, trace.h); nothing otherwise (the extension then registers no profiler)."""
+    if not torch.autograd.kineto_available():
+        return []
+    for inc in includes:
+        kineto = os.path.join(inc, "kineto")
+        if os.path.exists(os.path.join(kineto, "IActivityProfiler.h")):
+            return ["-DUSE_KINETO", f"-I{kineto}"]
+    return []
+
+
 def _command(cxx: str, out: str) -> list[str]:
     from torch.utils import cpp_extension
 
@@ -75,7 +87,7 @@ def _command(cxx: str, out: str) -> list[str]:
     return [cxx, "-shared", "-fPIC", "-O2", "-std=c++17", "-fvisibility=hidden",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             f"-DTORCH_EXTENSION_NAME={NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-            *[f"-I{p}" for p in includes], str(SOURCE), "-o", out,
+            *[f"-I{p}" for p in includes], *_kineto_flags(includes), str(SOURCE), "-o", out,
             f"-L{libdir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
 
 

@@ -31,6 +31,7 @@
 #include <torch/csrc/utils/tensor_memoryformats.h>
 
 #include "memory.h"
+#include "trace.h"
 
 #include <atomic>
 #include <cstring>
@@ -542,6 +543,22 @@ bool call_exe(PyObject* exe, const py::list& tensors, const py::list& scalars, s
   return true;
 }
 
+// How the profiler's device track names an executable's runs: its `__neuron_trace__` (name, key, kind,
+// shape class), set when it entered the memory tier (executables/_resolver.py); read with the GIL held.
+std::shared_ptr<const neuron_trace::Label> read_label(py::handle exe) {
+  static const auto* unnamed = new std::shared_ptr<const neuron_trace::Label>(
+      neuron_trace::label_of("executable", "", "op", "exact"));
+  py::object t = py::getattr(exe, "__neuron_trace__", py::none());
+  if (t.is_none()) return *unnamed;
+  try {
+    auto l = t.cast<py::tuple>();
+    return neuron_trace::label_of(l[0].cast<std::string>(), l[1].cast<std::string>(), l[2].cast<std::string>(),
+                                  l[3].cast<std::string>());
+  } catch (const std::exception&) {
+    return *unnamed;
+  }
+}
+
 // An executable the Python slow path made for a key, run without Python when it says how:
 //   aten    a `reference` executable: the functional aten op on host memory;
 //   aoti    an `aoti` executable (AotiCall);
@@ -550,6 +567,7 @@ struct Entry {
   std::optional<c10::OperatorHandle> aten;
   AotiCall aoti;
   PyObject* exe = nullptr;  // strong reference; the GIL is taken to release it
+  std::shared_ptr<const neuron_trace::Label> label;  // its runs on the profiler's device track (trace.h)
   bool inplace = false;      // the executable writes the mutated arguments itself (compiler._base)
   bool python_only = false;  // the slow path keeps no executable for this key (a host fallback), or
                              // fusion queues these calls and this file cannot (its Python kernel does)
@@ -603,6 +621,7 @@ struct GroupExe {
   AotiCall aoti;
   std::vector<at::Tensor> scalars;  // its Scalars' 0-d tensors (AotiCall::run; used under the GIL)
   PyObject* exe = nullptr;
+  std::shared_ptr<const neuron_trace::Label> label;
   ~GroupExe() {
     if (exe != nullptr && Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
@@ -807,8 +826,11 @@ struct OpState final : c10::OperatorKernel {
       }
       // Queued ops run first (the Python kernel sees to that itself on the other paths).
       if (e && !e->python_only && g_pending.load(std::memory_order_relaxed)) flush_queued(op);
+      const bool traced = neuron_trace::on();  // a profiler records device activity (trace.h)
+      const int64_t t0 = C10_UNLIKELY(traced) ? neuron_trace::now() : 0;
       if (e && !e->python_only && run(*e, stack, base)) {
         g_executions.fetch_add(1, std::memory_order_relaxed);
+        if (C10_UNLIKELY(traced)) neuron_trace::record(e->label, neuron_trace::OPS, t0);
         return;
       }
       if (e) keyed = false;  // known: nothing to learn
@@ -1208,6 +1230,7 @@ struct OpState final : c10::OperatorKernel {
       }
       if (!e->aten) e->aoti.read(exe);
       e->inplace = py::hasattr(exe, "__neuron_inplace__");
+      e->label = read_label(exe);
       e->exe = exe.release().ptr();
     }
     std::lock_guard<neuron_memory::SpinLock> lock(mu);
@@ -1249,9 +1272,12 @@ struct Typed<Op, at::Tensor(Args...)> final : c10::OperatorKernel {
       std::shared_ptr<Entry> e = st->find(key);
       if (e && !e->queue && !e->python_only && !g_pending.load(std::memory_order_relaxed)) {
         at::Tensor out;
+        const bool traced = neuron_trace::on();  // a profiler records device activity (trace.h)
+        const int64_t t0 = C10_UNLIKELY(traced) ? neuron_trace::now() : 0;
         if (run(*e, out, args...)) {
           g_executions.fetch_add(1, std::memory_order_relaxed);
           g_typed_executions.fetch_add(1, std::memory_order_relaxed);
+          if (C10_UNLIKELY(traced)) neuron_trace::record(e->label, neuron_trace::OPS, t0);
           return out;
         }
       }
@@ -1400,6 +1426,7 @@ bool run_group(GroupExe& g, const std::vector<QNode>& nodes, const std::vector<a
 std::shared_ptr<GroupExe> group_exe(py::handle exe) {
   auto g = std::make_shared<GroupExe>();
   g->aoti.read(exe);
+  g->label = read_label(exe);
   g->exe = exe.inc_ref().ptr();
   return g;
 }
@@ -1425,6 +1452,7 @@ struct GraphRunner {
   std::vector<std::pair<int, int64_t>> outputs;
   std::vector<bool> on_device;
   std::vector<at::Tensor> consts;
+  std::shared_ptr<const neuron_trace::Label> label;
 
   GraphRunner(py::object e, std::vector<int64_t> in, std::vector<std::pair<int64_t, int64_t>> cp,
               std::vector<int64_t> wr, std::vector<std::pair<int, int64_t>> out, std::vector<bool> dev,
@@ -1432,6 +1460,7 @@ struct GraphRunner {
       : exe(std::move(e)), inputs(std::move(in)), copies(std::move(cp)), writes(std::move(wr)),
         outputs(std::move(out)), on_device(std::move(dev)), consts(std::move(c)) {
     aoti.read(exe);
+    label = read_label(exe);
   }
 
   static at::Tensor arg(const py::list& args, int64_t p) {
@@ -1451,6 +1480,8 @@ struct GraphRunner {
       in.push_back(t.device().type() == c10::DeviceType::PrivateUse1 ? cpu_view(t) : std::move(t));
     }
     std::vector<at::Tensor> outs;
+    const bool traced = neuron_trace::on();
+    const int64_t t0 = traced ? neuron_trace::now() : 0;
     if (aoti.runner != nullptr) {
       py::gil_scoped_release nogil;
       if (!aoti.run(std::move(in), {}, outs)) return py::none();
@@ -1459,6 +1490,7 @@ struct GraphRunner {
       for (at::Tensor& t : in) tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t))));
       if (!call_exe(exe.ptr(), tensors, scalars, outs)) return py::none();
     }
+    if (traced) neuron_trace::record(label, neuron_trace::GRAPHS, t0);
     for (const auto& [p, i] : copies) {
       if (i < 0 || static_cast<size_t>(i) >= outs.size()) return py::none();
     }
@@ -1580,7 +1612,10 @@ void run_queue() {
   if (nodes.size() > 1) {
     auto it = g_groups.find(words);
     if (it != g_groups.end()) {
+      const bool traced = neuron_trace::on();
+      const int64_t t0 = traced ? neuron_trace::now() : 0;
       if (run_group(*it->second, nodes, ext, live, into)) {
+        if (traced) neuron_trace::record(it->second->label, neuron_trace::FUSED, t0);
         g_q_fused_runs.fetch_add(1, std::memory_order_relaxed);
         g_q_ops_fused.fetch_add(static_cast<int64_t>(nodes.size()), std::memory_order_relaxed);
         g_q_not_materialised.fetch_add(static_cast<int64_t>(n_dsts - live.size()), std::memory_order_relaxed);
@@ -1840,6 +1875,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::make_tuple(b.current, b.peak, b.allocated, b.freed, s.allocation[0].current);
   }, "bytes of live neuron memory: (current, peak, allocated, freed, live buffers)");
   m.def("reset_peak_memory", &neuron_memory::reset_peak);
+  m.def("set_memory_capacity", &neuron_memory::set_capacity,
+        "the device's capacity in bytes (0: host memory), or the error a query raises (memory.h)");
+  m.def("memory_info", [](int device) { return neuron_memory::memory_info(static_cast<c10::DeviceIndex>(device)); },
+        "(free, total) bytes of the device, as torch.accelerator.get_memory_info");
   m.def("reset_accumulated_memory", &neuron_memory::reset_accumulated);
   m.def("empty_cache", &neuron_memory::empty_cache, "give freed host memory back to the OS");
   m.def("register_hooks", &register_hooks, "False if PrivateUse1 already has hooks");
@@ -1858,6 +1897,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pending", [](bool pending) { g_pending.store(pending); }, "whether fusion has queued ops");
   m.def("executions", []() { return g_executions.load(); }, "Hits served natively since reset_counters()");
   m.def("typed_executions", []() { return g_typed_executions.load(); }, "Of those, the hits typed kernels served");
+  m.def("register_profiler", &neuron_trace::register_profiler,
+        "register the device's Kineto activity profiler (trace.h); False if this torch has no Kineto");
+  m.def("tracing", &neuron_trace::on, "whether a profiler records the device's activity now");
+  m.def("trace_now", &neuron_trace::now, "the clock device activity is recorded with (ns)");
+  m.def("trace_run", [](py::tuple label, int32_t track, int64_t start) {
+    if (!neuron_trace::on()) return;
+    neuron_trace::record(neuron_trace::label_of(label[0].cast<std::string>(), label[1].cast<std::string>(),
+                                                label[2].cast<std::string>(), label[3].cast<std::string>()),
+                         track, start);
+  }, "record a run made in Python since `start` (trace_now()): label (name, key, kind, shape class), track");
   neuron_pg::bind(m);
   m.def("reset_counters", []() {
     g_executions.store(0);

@@ -16,7 +16,10 @@
 // mutex was two locked instructions and two calls, paid on every op output (benchmarks/dispatch.py).
 // The same counters back a c10::DeviceAllocator registered for PrivateUse1, which is what the
 // `torch.accelerator` memory functions ask; its own `allocate` (PyTorch's C++ paths that allocate neuron
-// storage directly) counts its buffers too.
+// storage directly) counts its buffers too. Its `getMemoryInfo` (`torch.accelerator.get_memory_info`)
+// answers (capacity - bytes counted, capacity): the capacity is TORCH_NEURONX_DEVICE_MEMORY (set from
+// Python, `set_capacity`), by default the host's physical memory. A device index other than 0 is CUDA's
+// allocator's error ("Invalid device argument N: did you call init?").
 
 #pragma once
 
@@ -27,9 +30,11 @@
 #include <c10/util/flat_hash_map.h>
 
 #include <malloc.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <mutex>
+#include <string>
 #include <thread>
 
 namespace neuron_memory {
@@ -123,6 +128,52 @@ inline void drop_owned(void* ctx) {
   delete o;
 }
 
+// The device's capacity in bytes (0: the host's physical memory), or why the setting cannot be used.
+struct Capacity {
+  SpinLock mu;
+  int64_t bytes = 0;
+  std::string error;
+};
+inline Capacity* const g_capacity = new Capacity();
+
+inline void set_capacity(int64_t bytes, std::string error) {
+  std::lock_guard<SpinLock> g(g_capacity->mu);
+  g_capacity->bytes = bytes;
+  g_capacity->error = std::move(error);
+}
+
+inline int64_t capacity() {
+  int64_t bytes;
+  std::string error;
+  {
+    std::lock_guard<SpinLock> g(g_capacity->mu);
+    bytes = g_capacity->bytes;
+    error = g_capacity->error;
+  }
+  TORCH_CHECK(error.empty(), error);
+  if (bytes > 0) return bytes;
+  return static_cast<int64_t>(sysconf(_SC_PAGE_SIZE)) * static_cast<int64_t>(sysconf(_SC_PHYS_PAGES));
+}
+
+// CUDA's allocator's check and message, so code written for CUDA reads the same error.
+inline void check_device(c10::DeviceIndex device) {
+  TORCH_CHECK(device == 0, "Invalid device argument ", static_cast<int>(device),
+              ": did you call init? (this host has one neuron device, neuron:0)");
+}
+
+// (free, total): the capacity less the bytes of live neuron storage, and the capacity.
+inline std::pair<size_t, size_t> memory_info(c10::DeviceIndex device) {
+  check_device(device);
+  const int64_t total = capacity();
+  int64_t used;
+  {
+    Accounting& a = accounting();
+    std::lock_guard<SpinLock> g(a.mu);
+    used = a.bytes.current;
+  }
+  return {static_cast<size_t>(std::max<int64_t>(0, total - used)), static_cast<size_t>(total)};
+}
+
 inline c10::CachingDeviceAllocator::DeviceStats device_stats() {
   Accounting& a = accounting();
   std::lock_guard<SpinLock> g(a.mu);
@@ -169,9 +220,19 @@ struct NeuronAllocator final : c10::DeviceAllocator {
   bool initialized() override { return true; }
   void emptyCache(c10::MempoolId_t) override { empty_cache(); }
   void recordStream(const c10::DataPtr&, c10::Stream) override {}  // ops finish before they return
-  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex) override { return device_stats(); }
-  void resetAccumulatedStats(c10::DeviceIndex) override { reset_accumulated(); }
-  void resetPeakStats(c10::DeviceIndex) override { reset_peak(); }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex d) override {
+    check_device(d);
+    return device_stats();
+  }
+  void resetAccumulatedStats(c10::DeviceIndex d) override {
+    check_device(d);
+    reset_accumulated();
+  }
+  void resetPeakStats(c10::DeviceIndex d) override {
+    check_device(d);
+    reset_peak();
+  }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex d) override { return memory_info(d); }
 };
 
 // PrivateUse1's allocator (registration refuses to run beside another backend before it gets here).

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from .. import _config
+from .. import _config, _profiling
 from .._native import _hostmem
 from .._native._hostmem import to_cpu, to_neuron
 from ..cache import CacheMissError, IntegrityError, TieredCache
 from ..compiler import CompileRefused, Compiler, Executable
-from ..executables import _resolver
+from ..executables import _megacache, _resolver
 from ..signatures import _ops, _signature
 from . import _fusion, _widen
 from ._writes import _dtype_name, check_mutated, device_error, out_device_error
@@ -236,6 +236,7 @@ class Runtime:
             s["background"] = bg.stats()
         if self.fusion is not None:
             s["fusion"] = self.fusion.counters()
+        s["megacache"] = _megacache.stats()
         group = sys.modules.get("neuron_runtime.distributed._group")
         if group is not None:
             s["collectives"] = group.counts()
@@ -278,7 +279,15 @@ class Runtime:
     def slow_call(self, info: _ops.OpInfo, exes: dict[Any, Executable], key: Any,
                   values: tuple[Any, ...]) -> Any:
         """Everything but a hit: check devices, find or make the executable, run it, check the result
-        against the op's contract once, then let the hit path serve this key."""
+        against the op's contract once, then let the hit path serve this key. A profiler sees it as
+        `neuron::miss <op>` (README "Profiling")."""
+        if not _profiling.active():
+            return self._slow_call(info, exes, key, values)
+        with _profiling.span(f"neuron::miss {info.qualname}"):
+            return self._slow_call(info, exes, key, values)
+
+    def _slow_call(self, info: _ops.OpInfo, exes: dict[Any, Executable], key: Any,
+                   values: tuple[Any, ...]) -> Any:
         if self.fusion is not None:
             self.fusion.flush_for(info)  # ops run in stream order: queued ones first
         other_out = bool(info.mutable) and check_mutated(info, values)
@@ -321,7 +330,7 @@ class Runtime:
         # restored before the host runs the op (the first call of a key; see compiler._base).
         saved = [h.clone() for h in _mutated_views(info, host_values)] if inplace else []
         try:
-            outs = exe(tensors, scalars)
+            outs = _run_traced(exe, tensors, scalars)
         except Exception as e:  # noqa: BLE001
             for h, c in zip(_mutated_views(info, host_values), saved):
                 h.copy_(c)
@@ -432,14 +441,34 @@ class Runtime:
                 kwargs[a.name] = h
             else:
                 args.append(h)
-        out = _op_for_numbers(info, args, kwargs)(*args, **kwargs)
+        counter = counter or ("fallbacks" if fallback else "host_ops")
+        with _profiling.span(_HOST_SPANS[counter] + info.qualname) if counter in _HOST_SPANS else _profiling.NULL:
+            out = _op_for_numbers(info, args, kwargs)(*args, **kwargs)
         with self.lock:
-            self.counts[counter or ("fallbacks" if fallback else "host_ops")] += 1
+            self.counts[counter] += 1
         for target, h in outs:
             _copy_back_out(target, h)
         if outs:
             host_values = tuple(next((h for t, h in outs if t is v), hv) for v, hv in zip(values, host_values))
         return rewrap(out, values, host_values, to_cpu_result=_wants_cpu(info, values))
+
+
+# Host runs a profiler names (README "Profiling"): while the key's executable compiles, and fallbacks
+# (no executable); an op that always runs on the host (`host_ops`) is its aten op's range alone.
+_HOST_SPANS = {"host_runs": "neuron::host_run ", "fallbacks": "neuron::fallback "}
+
+
+def _run_traced(exe: Executable, tensors: list[Any], scalars: list[Any]) -> Any:
+    """Run an executable from Python; while a profiler records device activity, as a run on the device
+    track (`_native/trace.h`; the native hit path records its own runs)."""
+    native = _hostmem.NATIVE
+    if native is None or not native.tracing():
+        return exe(tensors, scalars)
+    t0 = native.trace_now()
+    outs = exe(tensors, scalars)
+    label = getattr(exe, "__neuron_trace__", None)
+    native.trace_run(label if isinstance(label, tuple) else ("executable", "", "op", "exact"), 0, t0)
+    return outs
 
 
 # Ops whose overload objects take a Python number in a Tensor slot themselves, as a wrapped number (what
@@ -565,6 +594,7 @@ def flatten(info: _ops.OpInfo, host_values: tuple[Any, ...]) -> tuple[list[torch
 
 _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
+_megacache.set_provider(lambda: runtime().resolver)  # Mega-Cache bundles load into this runtime's tiers
 
 
 def runtime() -> Runtime:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .. import _profiling
 from .._native import _hostmem
 from ..signatures import _ops
 from . import _decomp, _dispatch, _fusion, _generic, _quantized, _special
@@ -101,14 +102,15 @@ def _lazy(qualname: str) -> Callable[..., Any]:
     calling through a trampoline would cost every later call a Python frame."""
 
     def first(*args: Any, **kwargs: Any) -> Any:
-        kernel = kernel_for(qualname)
-        if _library is not None and qualname not in _installed:
-            _installed.add(qualname)
-            if not _install_native(qualname, kernel):
-                with warnings.catch_warnings():
-                    # PyTorch warns (once) that a kernel is overridden: that is the point here.
-                    warnings.simplefilter("ignore")
-                    _library.impl(qualname.removeprefix("aten::"), kernel, "PrivateUse1")
+        with _profiling.span(f"neuron::kernel_setup {qualname}"):  # README "Profiling"
+            kernel = kernel_for(qualname)
+            if _library is not None and qualname not in _installed:
+                _installed.add(qualname)
+                if not _install_native(qualname, kernel):
+                    with warnings.catch_warnings():
+                        # PyTorch warns (once) that a kernel is overridden: that is the point here.
+                        warnings.simplefilter("ignore")
+                        _library.impl(qualname.removeprefix("aten::"), kernel, "PrivateUse1")
         return kernel(*args, **kwargs)
 
     return first

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from neuron_runtime import envelope
+from neuron_runtime import _profiling, envelope
 from neuron_runtime.cache._base import CacheBackend, Lease, check_key
 from neuron_runtime.cache._errors import CacheMissError, IntegrityError
 from neuron_runtime.cache._faults import WarnOnce
@@ -164,17 +164,20 @@ class TieredCache:
         if not self.writable:
             return
         for name, backend in self.tiers[:upto]:
-            if not self._safe(name, "put", functools.partial(backend.put, key, data), False):
+            with _profiling.span(f"neuron::cache.put[{name}]"):
+                stored = self._safe(name, "put", functools.partial(backend.put, key, data), False)
+            if not stored:
                 self._count("writes_skipped")
 
     def _lookup(self, key: str, upto: int | None = None) -> tuple[envelope.Entry, bytes, str] | None:
         for i, (name, backend) in enumerate(self.tiers[:upto]):
             data: bytes | None = None
             try:
-                data = self._safe(name, "get", functools.partial(backend.get, key), None)
-                if data is None:
-                    continue
-                entry = self._verify(key, data)
+                with _profiling.span(f"neuron::cache.get[{name}]", key=key):
+                    data = self._safe(name, "get", functools.partial(backend.get, key), None)
+                    if data is None:
+                        continue
+                    entry = self._verify(key, data)
             except IntegrityError as e:
                 self._quarantine(name, backend, key, e, data)
                 continue
@@ -219,10 +222,11 @@ class TieredCache:
         for i, (name, backend) in enumerate(self.tiers):
             if not rest:
                 break
-            if i == 0:
-                got = {k: d for k in rest if (d := self._safe(name, "get", functools.partial(backend.get, k), None))}
-            else:
-                got = self._safe(name, "get_many", functools.partial(backend.get_many, rest), {})
+            with _profiling.span(f"neuron::cache.get_many[{name}]", keys=len(rest)):
+                if i == 0:
+                    got = {k: d for k in rest if (d := self._safe(name, "get", functools.partial(backend.get, k), None))}
+                else:
+                    got = self._safe(name, "get_many", functools.partial(backend.get_many, rest), {})
             for key, data in got.items():
                 try:
                     out[key] = self._verify(key, data)
@@ -251,7 +255,9 @@ class TieredCache:
             return False
         stored = False
         for name, backend in self.tiers:
-            if self._safe(name, "put", functools.partial(backend.put, key, data), False):
+            with _profiling.span(f"neuron::cache.put[{name}]", key=key):
+                ok = self._safe(name, "put", functools.partial(backend.put, key, data), False)
+            if ok:
                 stored = True
             else:
                 self._count("writes_skipped")
@@ -281,7 +287,9 @@ class TieredCache:
         # 2a. per process
         flight, leader = self._flights.join(key)
         if not leader:
-            if flight.done.wait(self.cfg.lock_timeout_s) and not flight.failed:
+            with _profiling.span("neuron::wait[thread]", key=key):  # another thread compiles the key
+                landed = flight.done.wait(self.cfg.lock_timeout_s)
+            if landed and not flight.failed:
                 result = flight.result
                 assert isinstance(result, tuple)
                 return result[0], WAITED
@@ -297,7 +305,8 @@ class TieredCache:
 
     def _compile_once(self, key: str, compile_fn: Callable[[], bytes]) -> tuple[envelope.Entry, str]:
         # 2b. per host
-        host_lock = self._host_locks.acquire(key, self.cfg.lock_timeout_s)
+        with _profiling.span("neuron::wait[host]", key=key):  # (another process may hold the key's lock)
+            host_lock = self._host_locks.acquire(key, self.cfg.lock_timeout_s)
         try:
             # Look again even if the lock was free: another process may have compiled the entry and let
             # the lock go between our first lookup and this acquire (then it is written already).
@@ -353,7 +362,8 @@ class TieredCache:
                            "compiling it here", bound, key)
                 return None
             started = time.monotonic()
-            data = self._safe("fleet", "wait_for", lambda: fleet.wait_for(key, left), _FAILED)
+            with _profiling.span("neuron::wait[lease]", key=key):  # another host compiles the key
+                data = self._safe("fleet", "wait_for", lambda: fleet.wait_for(key, left), _FAILED)
             if data is _FAILED:
                 return None
             if data is not None:

@@ -71,6 +71,8 @@ def register() -> None:
         torch._C._acc.register_python_privateuseone_device_guard(_Guard())
     if _hostmem.NATIVE is not None:
         _hostmem.NATIVE.register_allocator()  # memory counters for torch.accelerator (see _torch_neuron)
+        _torch_neuron.set_capacity()
+        _hostmem.NATIVE.register_profiler()  # the device track of torch.profiler traces (_native/trace.h)
     _hostmem.smoke_test()
     # nn.Module.to() must keep Parameter objects (tied weights stay tied, optimizers keep their params).
     # PyTorch only swaps in place for backends it knows; this switch makes it swap for ours too.

@@ -5,6 +5,10 @@ One device, `neuron:0`, whose memory is host memory:
     becomes neuron memory and when its last neuron storage dies (`_native/memory.h`); the same counters
     answer `torch.accelerator.memory_allocated()` and friends. Nothing is cached, so `memory_reserved` is
     `memory_allocated`; `empty_cache` gives the C allocator's freed host memory back to the OS.
+  * capacity: TORCH_NEURONX_DEVICE_MEMORY (e.g. a Trainium2 chip's `96GiB`), by default the host's
+    physical memory; `mem_get_info()` (and `torch.accelerator.get_memory_info()`) is (capacity - bytes
+    counted, capacity), what Accelerate's `device_map="auto"` sizes a device by. A memory query for a
+    device index other than 0 raises CUDA's allocator's error ("Invalid device argument N").
   * random numbers: neuron ops draw from the CPU generator (a pure-Python backend cannot own a
     `torch.Generator`), so the neuron RNG state *is* the CPU generator's state: `get_rng_state` returns
     it, `set_rng_state` checks and restores it (a resumed checkpoint reproduces the same dropout masks).
@@ -12,13 +16,14 @@ One device, `neuron:0`, whose memory is host memory:
 
 from __future__ import annotations
 
-import os
 import platform
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .. import _config
 from .._native import _hostmem
 from ..aten import _fusion
 from ._streams import Event, Stream, current_stream, default_stream, stream  # noqa: F401 - FSDP2's stream API
@@ -101,13 +106,12 @@ def get_device_name(device: Any = None) -> str:
 @dataclass(frozen=True)
 class DeviceProperties:
     name: str
-    total_memory: int  # bytes of host memory
+    total_memory: int  # the device's capacity (mem_get_info()[1])
 
 
 def get_device_properties(device: Any = None) -> DeviceProperties:
     _device_index(device)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return DeviceProperties(name=get_device_name(), total_memory=int(total))
+    return DeviceProperties(name=get_device_name(), total_memory=mem_get_info()[1])
 
 
 def get_device_capability(device: Any = None) -> tuple[int, int]:
@@ -133,15 +137,54 @@ def _native() -> Any:
     return native
 
 
+def _memory_index(device: Any) -> int:
+    """The index of a memory query: 0, or CUDA's allocator's error for another one (code written for
+    CUDA reads the error it knows); a device of another type is `_device_index`'s error."""
+    if device is None:
+        return 0
+    if isinstance(device, int):
+        idx = device
+    else:
+        d = torch.device(device)
+        if d.type != DEVICE:
+            raise ValueError(f"expected a {DEVICE} device, got {d}")
+        idx = 0 if d.index is None else d.index
+    if idx != 0:
+        raise RuntimeError(f"Invalid device argument {idx}: did you call init? (this host has one {DEVICE} "
+                           f"device, {DEVICE}:0)")
+    return 0
+
+
+def set_capacity() -> None:
+    """Hand TORCH_NEURONX_DEVICE_MEMORY to the native allocator (at registration and on
+    `neuron_runtime.reset()`); a value it cannot use is the error every capacity query raises."""
+    native = _hostmem.NATIVE
+    if native is None:
+        return
+    try:
+        native.set_memory_capacity(_config.device_memory() or 0, "")
+    except _config.ConfigError as e:
+        native.set_memory_capacity(0, str(e))
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes: total is the capacity (TORCH_NEURONX_DEVICE_MEMORY, by default the host's
+    physical memory), free is the capacity less the bytes of live neuron storage (`memory_allocated`).
+    Host memory other processes use is not subtracted: on Trainium each process owns its device."""
+    idx = _memory_index(device)
+    free, total = _native().memory_info(idx)
+    return int(free), int(total)
+
+
 def memory_allocated(device: Any = None) -> int:
     """Bytes of host memory held by live neuron storages now."""
-    _device_index(device)
+    _memory_index(device)
     return int(_native().memory_stats()[0])
 
 
 def max_memory_allocated(device: Any = None) -> int:
     """The peak of `memory_allocated` since start or the last `reset_peak_memory_stats`."""
-    _device_index(device)
+    _memory_index(device)
     return int(_native().memory_stats()[1])
 
 
@@ -154,7 +197,7 @@ def max_memory_reserved(device: Any = None) -> int:
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:
-    _device_index(device)
+    _memory_index(device)
     _native().reset_peak_memory()
 
 
@@ -163,18 +206,53 @@ def reset_max_memory_allocated(device: Any = None) -> None:
 
 
 def reset_accumulated_memory_stats(device: Any = None) -> None:
-    _device_index(device)
+    _memory_index(device)
     _native().reset_accumulated_memory()
 
 
-def memory_stats(device: Any = None) -> dict[str, int]:
-    """The same keys `torch.cuda.memory_stats` uses for the counters this device has."""
-    _device_index(device)
-    current, peak, allocated, freed, buffers = _native().memory_stats()
-    out = {f"allocated_bytes.all.{k}": int(v)
-           for k, v in (("current", current), ("peak", peak), ("allocated", allocated), ("freed", freed))}
-    out["allocation.all.current"] = int(buffers)
-    return out
+def memory_stats(device: Any = None) -> OrderedDict[str, Any]:
+    """`torch.cuda.memory_stats`'s keys, from the same counters as `torch.accelerator.memory_stats()`:
+    one pool ("all"; the large/small pools are 0), where allocated = active = reserved = requested."""
+    idx = _memory_index(device)
+    _native()
+    return torch.accelerator.memory_stats(idx)
+
+
+def _size(n: float) -> str:
+    for unit in ("B  ", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:6.0f} {unit}" if unit == "B  " else f"{n:6.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+    """A table of the memory counters, laid out like `torch.cuda.memory_summary` (one pool, nothing
+    cached: reserved equals allocated), with the capacity and what is free of it."""
+    idx = _memory_index(device)
+    stats = memory_stats(idx)
+    free, total = mem_get_info(idx)
+    width = 77
+    rule, double = "|" + "-" * (width - 2) + "|", "|" + "=" * (width - 2) + "|"
+
+    def line(text: str) -> str:
+        return "| " + text.ljust(width - 4) + " |"
+
+    rows = [("Allocated memory", "allocated_bytes", True), ("Active memory", "active_bytes", True),
+            ("Requested memory", "requested_bytes", True), ("Reserved memory", "reserved_bytes", True),
+            ("Allocations", "allocation", False)]
+    if abbreviated:
+        rows = rows[:1] + rows[-1:]
+    out = [double, line(f"PyTorch {DEVICE.upper()} memory summary, device {DEVICE}:{idx}".center(width - 4)), rule,
+           line(f"capacity {_size(total).strip()} ({'TORCH_NEURONX_DEVICE_MEMORY' if _config.device_memory() else 'host memory'}), "
+                f"free {_size(free).strip()}"),
+           rule, line(f"{'Metric':<22}| {'Cur Usage':>10} | {'Peak Usage':>10} | {'Tot Alloc':>10} | {'Tot Freed':>10}"), rule]
+    for title, key, is_bytes in rows:
+        vals = [stats.get(f"{key}.all.{k}", 0) for k in ("current", "peak", "allocated", "freed")]
+        cells = [_size(v) if is_bytes else f"{v:>10d}" for v in vals]
+        out.append(line(f"{title:<22}| " + " | ".join(f"{c:>10}" for c in cells)))
+    out.append(double)
+    return "\n".join(out) + "\n"
 
 
 def empty_cache() -> None:

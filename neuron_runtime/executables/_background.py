@@ -30,7 +30,7 @@ import time
 import warnings
 from typing import Any
 
-from .. import _config
+from .. import _config, _profiling
 from ..compiler import CompileRefused, Executable
 from ..signatures import _signature
 from . import _entries, _manifest
@@ -205,7 +205,8 @@ class Background:
                 if kind == "fetch":
                     self._fetch(arg)
                 elif kind == "prefetch":
-                    self._prefetch(arg)
+                    with _profiling.span(f"neuron::prefetch {arg}"):  # (recorded with profile_all_threads)
+                        self._prefetch(arg)
                 elif kind == "manifest":
                     try:
                         self._write_manifest()
@@ -285,7 +286,19 @@ class Background:
             self._compile_here(job_key, job)
         else:
             why = str(msg.get("reason") or status)
+            if status == "refused":
+                self._used_refusals(job)
             self._finish(job_key, None, why if status == "refused" else f"compile {status}: {why}")
+
+    def _used_refusals(self, job: _Job) -> None:
+        """The worker cached each candidate's refusal: this process acted on them (Mega-Cache saves them,
+        so a process that loads the bundle asks no compiler about the op either)."""
+        cache = self.resolver.cache
+        for cand in job.candidates if cache is not None else []:
+            k = self.resolver.key(cand)
+            entry = cache.get_local(k)
+            if entry is not None:
+                self.resolver.used(k, entry, refusal=True)
 
     def _load(self, job_key: str, key: str, entry: Any) -> None:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import _profiling
 from ..compiler import Compiler, CompileRefused
 
 REFUSED = "refused"
@@ -24,7 +25,8 @@ def build_entry(cache: Any, compiler: Compiler, key: str, sig: dict[str, Any], f
     if producer:
         header["producer"] = producer
     try:
-        payload = compiler.compile(sig)
+        with _profiling.compile_span(sig, key):
+            payload = compiler.compile(sig)
     except CompileRefused as e:
         header[REFUSED] = str(e)
         header["runtime"] = __version__

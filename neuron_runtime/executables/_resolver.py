@@ -18,11 +18,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .. import _config
+from .. import _config, _profiling
 from ..cache import CacheMissError, TieredCache
 from ..compiler import CompileRefused, Compiler, Executable, get_compiler
 from ..signatures import _shapes, _signature
-from . import _entries
+from . import _entries, _megacache
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ class Resolver:
                 if entry is None or _entries.stale_refusal(entry):
                     continue
                 if entry.header.get(_entries.REFUSED):
+                    self.used(k, entry, refusal=True)
                     if k == keys[-1]:
                         raise CompileRefused(str(entry.header[_entries.REFUSED]))
                     with self.lock:
@@ -184,6 +185,7 @@ class Resolver:
                 if entry is None or _entries.stale_refusal(entry):
                     continue
                 if entry.header.get(_entries.REFUSED):
+                    self.used(k, entry, refusal=True)
                     if i + 1 < len(candidates):
                         continue  # e.g. this class has no generic kernel: the next candidate
                     raise CompileRefused(str(entry.header[_entries.REFUSED]))
@@ -223,10 +225,24 @@ class Resolver:
 
     def load_entry(self, key: str, entry: Any) -> Executable:
         """A verified entry's executable (raises CompileRefused for a refusal entry)."""
-        _entries.check(entry)
-        exe = self.compiler.load(entry.payload)
+        _entries.check(self.used(key, entry, refusal=True))
+        exe = self._load(key, entry)
         self.count("loads")
         return exe
+
+    def _load(self, key: str, entry: Any) -> Executable:
+        """The executable of a verified entry (a profiler range); the entry is `used` once it loaded."""
+        with _profiling.compile_span(entry.header.get("signature") or {}, key, "load"):
+            exe = self.compiler.load(entry.payload)
+        self.used(key, entry)
+        return exe
+
+    def used(self, key: str, entry: Any, refusal: bool = False) -> Any:
+        """A verified entry this process acts on (an executable that loaded, or with `refusal` a refusal)
+        is offered to PyTorch's Mega-Cache (`_megacache`). Returns the entry."""
+        if not refusal or entry.header.get(_entries.REFUSED):
+            _megacache.record(key, entry, self.cfg.signing_key)
+        return entry
 
     def has(self, key: str) -> bool:
         return key in self.by_digest or self.classes.get(key) in self.by_digest
@@ -277,6 +293,7 @@ class Resolver:
             bg.close()
 
     def remember(self, digest: str, sig: dict[str, Any], exe: Executable) -> Executable:
+        _label(exe, digest, sig)  # before any kernel can see it
         with self.lock:
             known = self.by_digest.get(digest)
             if known is not None:
@@ -314,7 +331,8 @@ class Resolver:
             self.count("misses")
             if self.cfg.cache_mode == "strict":
                 raise CacheMissError(digest, self.strict_message(digest, sig))
-            payload = self.compiler.compile(sig)
+            with _profiling.compile_span(sig, digest):
+                payload = self.compiler.compile(sig)
             self.count("compiles")
             self.count_kind(sig)
             return self.compiler.load(payload)
@@ -332,9 +350,10 @@ class Resolver:
         if where != "compiled" and _entries.stale_refusal(entry) and self.cfg.cache_mode != "strict":
             # Refused by another neuron-runtime version: this one may compile it.
             entry = self._replace(cache, digest, compile_entry)
-        _entries.check(entry)  # a cached refusal: the op runs on the host without asking the compiler
+        # A cached refusal: the op runs on the host without asking the compiler.
+        _entries.check(self.used(digest, entry, refusal=True))
         try:
-            exe = self.compiler.load(entry.payload)
+            exe = self._load(digest, entry)
         except CompileRefused:
             raise
         except Exception as e:  # noqa: BLE001
@@ -347,7 +366,7 @@ class Resolver:
                           f"({type(e).__name__}: {e}); recompiling", UserWarning, stacklevel=2)
             fresh = self._replace(cache, digest, compile_entry)
             _entries.check(fresh)
-            exe = self.compiler.load(fresh.payload)
+            exe = self._load(digest, fresh)
         self.count("loads")
         return exe
 
@@ -377,3 +396,13 @@ class Resolver:
         return (f"strict cache mode (TORCH_NEURONX_CACHE_MODE=strict): no cached executable for "
                 f"{sig['op']} (key {digest}); warm the cache with `neuron-cache warm -- <job>`. "
                 f"Signature: {_signature.canonical(sig).decode()}")
+
+
+def _label(exe: Executable, key: str, sig: dict[str, Any]) -> None:
+    """How the profiler's device track names this executable's runs (`_native/trace.h`): its op (or fused
+    group, graph), key, kind and shape class."""
+    shape_class = ("flat" if _shapes.is_flat(sig) else "ranked") if _shapes.is_class(sig) else "exact"
+    try:
+        exe.__neuron_trace__ = (str(sig.get("op", "?")), key, _profiling.kind_of(sig), shape_class)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):  # an executable that takes no attributes runs unnamed
+        pass
