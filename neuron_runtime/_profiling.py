@@ -8,11 +8,11 @@ of a key: signature, lookup, compile or load, first run), `neuron::host_run <op>
 its executable compiles), `neuron::fallback <op>` (on the host: no executable), `neuron::prefetch <job>`.
 Executable runs themselves are device activity (the native layer's Kineto profiler, `_native/trace.h`).
 
-`span(name, **meta)` is a range while a profiler records on this thread, and one call that returns a
-shared null context otherwise: nothing here is on the hit path, and the slow path pays ~0.1 us per
-range. The metadata (the full key, ...) shows in a trace with `record_shapes=True` (PyTorch keeps
-keyword inputs only then). Never imports torch: the cache layer runs without it, and a process without
-torch has no profiler to record for.
+`span(name, **meta)` is a range while a profiler runs, and one flag read that returns a shared null
+context otherwise: nothing here is on the hit path, and the slow path pays ~0.2 us per range. The
+metadata (the full key, ...) shows in a trace with `record_shapes=True` (PyTorch keeps keyword inputs
+only then). Never imports torch: the cache layer runs without it, and a process without torch has no
+profiler to record for.
 """
 
 from __future__ import annotations
@@ -34,37 +34,38 @@ class _Null:
 
 
 NULL = _Null()
-_enabled: Any = None  # torch's "is a profiler recording on this thread", bound once torch is imported
-_range: Any = None    # what makes a range (torch's private fast record_function, which takes metadata)
+_profiler: Any = None  # torch.autograd.profiler: its `_is_profiler_enabled`, once torch is imported
+_range: Any = None     # what makes a range (torch's private fast record_function, which takes metadata)
 
 
 def _bind() -> bool:
-    global _enabled, _range
+    global _profiler, _range
     torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "_C"):
+    try:
+        profiler = torch.autograd.profiler  # type: ignore[union-attr]
+    except AttributeError:  # no torch, or torch still importing
         return False
     try:
-        _range = torch._C._profiler._RecordFunctionFast
+        _range = torch._C._profiler._RecordFunctionFast  # type: ignore[union-attr]
     except AttributeError:  # another torch: the public record_function, without metadata
-        record_function = torch.autograd.profiler.record_function
-        _range = lambda name, _inputs, _meta: record_function(name)  # noqa: E731
-    _enabled = torch._C._autograd._profiler_enabled
+        _range = lambda name, _inputs, _meta: profiler.record_function(name)  # noqa: E731
+    _profiler = profiler
     return True
 
 
 def active() -> bool:
-    """Whether a profiler records this thread's ranges now."""
-    if _enabled is None and not _bind():
+    """Whether a profiler runs in this process (PyTorch's flag "for fast python checks"). A range made
+    on a thread the profiler does not follow records nothing: background threads' ranges are recorded
+    with `experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`."""
+    if _profiler is None and not _bind():
         return False
-    return bool(_enabled())
+    return bool(_profiler._is_profiler_enabled)
 
 
 def span(name: str, **meta: Any) -> Any:
     """A context manager: a profiler range named `name` (with `meta` as its keyword inputs, strings), or
-    nothing when no profiler records on this thread."""
-    if _enabled is None and not _bind():
-        return NULL
-    if not _enabled():
+    nothing when no profiler runs."""
+    if not active():
         return NULL
     return _range(name, (), {k: str(v) for k, v in meta.items()})
 
@@ -83,9 +84,7 @@ def kind_of(sig: dict[str, Any]) -> str:
 
 def compile_span(sig: dict[str, Any], key: str, what: str = "compile") -> Any:
     """`neuron::compile[<kind>] <op> <key prefix>` (or `neuron::load ...`) for signature `sig`."""
-    if _enabled is None and not _bind():
-        return NULL
-    if not _enabled():
+    if not active():
         return NULL
     op = str(sig.get("op", "?"))
     name = f"neuron::{what}[{kind_of(sig)}] {op} {key[:12]}" if what == "compile" else f"neuron::{what} {op} {key[:12]}"

@@ -92,22 +92,28 @@ inline const libkineto::TraceSpan& span() {
 
 class Session final : public libkineto::IActivityProfilerSession {
  public:
+  // `records`: the profile asked for device activity (Kineto configures child profilers for CPU-only
+  // profiles too; such a session records nothing, so the hit path stays untraced).
+  explicit Session(bool records) : records_(records) {}
+
   void start() override {
+    status_ = libkineto::TraceStatus::RECORDING;
+    if (!records_) return;
     {
       std::lock_guard<std::mutex> g(g_mu);
       g_runs.clear();
       g_dropped = 0;
     }
     g_on.store(true);
-    status_ = libkineto::TraceStatus::RECORDING;
   }
 
   void stop() override {
+    status_ = libkineto::TraceStatus::PROCESSING;
+    if (!records_) return;
     g_on.store(false);
     std::lock_guard<std::mutex> g(g_mu);
     runs_.swap(g_runs);
     dropped_ = g_dropped;
-    status_ = libkineto::TraceStatus::PROCESSING;
   }
 
   std::vector<std::string> errors() override {
@@ -163,6 +169,7 @@ class Session final : public libkineto::IActivityProfilerSession {
     runs_.clear();
   }
 
+  bool records_;
   std::vector<Run> runs_;
   int64_t dropped_ = 0;
 };
@@ -171,9 +178,9 @@ class Profiler final : public libkineto::IActivityProfiler {
  public:
   const std::string& name() const override { return name_; }
   const std::set<libkineto::ActivityType>& availableActivities() const override { return activities_; }
-  std::unique_ptr<libkineto::IActivityProfilerSession> configure(const std::set<libkineto::ActivityType>&,
+  std::unique_ptr<libkineto::IActivityProfilerSession> configure(const std::set<libkineto::ActivityType>& types,
                                                                  const libkineto::Config&) override {
-    return std::make_unique<Session>();
+    return std::make_unique<Session>(types.count(libkineto::ActivityType::CONCURRENT_KERNEL) > 0);
   }
   std::unique_ptr<libkineto::IActivityProfilerSession> configure(int64_t, int64_t,
                                                                  const std::set<libkineto::ActivityType>& types,
@@ -183,8 +190,7 @@ class Profiler final : public libkineto::IActivityProfiler {
 
  private:
   std::string name_{"neuron"};
-  // Only what PyTorch asks of a PrivateUse1 device (kineto_shim's kPrivateUse1Types), so a CPU-only
-  // profile never starts a session.
+  // What PyTorch asks of a PrivateUse1 device (kineto_shim's kPrivateUse1Types) and this one records.
   std::set<libkineto::ActivityType> activities_{libkineto::ActivityType::CONCURRENT_KERNEL};
 };
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import os
+from typing import Any
 
 import pytest
 import torch
@@ -122,6 +124,67 @@ def test_a_wrong_rng_state_is_a_clear_error(bad, error, match) -> None:  # type:
     assert torch.equal(torch.neuron.get_rng_state(), state), "a refused state changes nothing"
     with pytest.raises(ValueError, match="list of one state"):
         torch.neuron.set_rng_state_all([state, state])
+
+
+@native
+def test_mem_get_info_is_capacity_less_the_counted_bytes() -> None:
+    gc.collect()
+    n = torch.neuron
+    free, total = n.mem_get_info()
+    assert torch.accelerator.get_memory_info() == (free, total) == n.mem_get_info("neuron:0")
+    assert total == n.get_device_properties(0).total_memory > 0
+    assert free == total - n.memory_allocated()
+    x = torch.empty(1 << 20, dtype=torch.uint8, device=DEV)
+    assert n.mem_get_info() == (free - (1 << 20), total)
+    stats = n.memory_stats()
+    assert stats == torch.accelerator.memory_stats() and stats["allocated_bytes.all.current"] == n.memory_allocated()
+    assert {"num_ooms", "reserved_bytes.all.peak", "allocation.all.current"} <= set(stats), "torch.cuda's keys"
+    summary = n.memory_summary()
+    assert "Allocated memory" in summary and f"{n.memory_allocated() / 2**20:.2f} MiB" in summary
+    assert "capacity" in summary and "Reserved memory" not in n.memory_summary(abbreviated=True)
+    n.reset_peak_memory_stats()
+    assert n.max_memory_allocated() == n.memory_allocated()
+    del x
+    gc.collect()
+    assert n.mem_get_info() == (free, total)
+
+
+@native
+def test_capacity_comes_from_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuron_runtime.device import _torch_neuron
+
+    gc.collect()
+    try:
+        monkeypatch.setenv("TORCH_NEURONX_DEVICE_MEMORY", "96GiB")  # a Trainium2 chip's HBM
+        _torch_neuron.set_capacity()
+        used = torch.neuron.memory_allocated()
+        assert torch.accelerator.get_memory_info() == (96 * 2**30 - used, 96 * 2**30)
+        assert torch.neuron.get_device_properties().total_memory == 96 * 2**30
+        monkeypatch.setenv("TORCH_NEURONX_DEVICE_MEMORY", "lots")
+        _torch_neuron.set_capacity()
+        for query in (torch.neuron.mem_get_info, torch.accelerator.get_memory_info):
+            with pytest.raises(RuntimeError, match=r"TORCH_NEURONX_DEVICE_MEMORY='lots': not a size"):
+                query()
+        assert torch.neuron.memory_allocated() == used, "the counters do not depend on the setting"
+    finally:
+        monkeypatch.delenv("TORCH_NEURONX_DEVICE_MEMORY", raising=False)
+        _torch_neuron.set_capacity()
+    assert torch.neuron.mem_get_info()[1] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@native
+@pytest.mark.parametrize("query", [
+    lambda i: torch.neuron.mem_get_info(i), lambda i: torch.neuron.memory_stats(i),
+    lambda i: torch.neuron.memory_allocated(i), lambda i: torch.neuron.max_memory_allocated(i),
+    lambda i: torch.neuron.reset_peak_memory_stats(i), lambda i: torch.neuron.memory_summary(i),
+    lambda i: torch.accelerator.get_memory_info(i), lambda i: torch.accelerator.memory_stats(i),
+    lambda i: torch.accelerator.memory_allocated(i), lambda i: torch.accelerator.reset_peak_memory_stats(i),
+    lambda i: torch.accelerator.reset_accumulated_memory_stats(i)])
+def test_an_invalid_device_index_is_cudas_error(query: Any) -> None:
+    for bad in (1, 7, torch.device(DEV, 1)):
+        i = bad.index if isinstance(bad, torch.device) else bad
+        with pytest.raises(RuntimeError, match=rf"^Invalid device argument {i}: did you call init\?"):
+            query(bad)
 
 
 # -- the rest of what the libraries call -------------------------------------------------------------
