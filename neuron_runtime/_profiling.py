@@ -6,7 +6,8 @@ an op's time went: `neuron::compile[op|class|fused|graph] <op> <key>`, `neuron::
 (single-flight: another thread, process or host compiles the key), `neuron::miss <op>` (the first call
 of a key: signature, lookup, compile or load, first run), `neuron::host_run <op>` (on the host while
 its executable compiles), `neuron::fallback <op>` (on the host: no executable), `neuron::prefetch <job>`.
-Executable runs themselves are device activity (the native layer's Kineto profiler, `_native/trace.h`).
+Executable runs themselves are device activity (the native layer's Kineto profiler, `_native/trace.h`;
+runs made from Python are recorded through `_native/_trace.py`).
 
 `span(name, **meta)` is a range while a profiler runs, and one flag read that returns a shared null
 context otherwise: nothing here is on the hit path, and the slow path pays ~0.2 us per range. The

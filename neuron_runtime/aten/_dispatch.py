@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .. import _config, _profiling
-from .._native import _hostmem
+from .._native import _hostmem, _trace
 from .._native._hostmem import to_cpu, to_neuron
 from ..cache import CacheMissError, IntegrityError, TieredCache
 from ..compiler import CompileRefused, Compiler, Executable
@@ -330,7 +330,7 @@ class Runtime:
         # restored before the host runs the op (the first call of a key; see compiler._base).
         saved = [h.clone() for h in _mutated_views(info, host_values)] if inplace else []
         try:
-            outs = _run_traced(exe, tensors, scalars)
+            outs = _trace.run(exe, tensors, scalars)
         except Exception as e:  # noqa: BLE001
             for h, c in zip(_mutated_views(info, host_values), saved):
                 h.copy_(c)
@@ -456,19 +456,6 @@ class Runtime:
 # Host runs a profiler names (README "Profiling"): while the key's executable compiles, and fallbacks
 # (no executable); an op that always runs on the host (`host_ops`) is its aten op's range alone.
 _HOST_SPANS = {"host_runs": "neuron::host_run ", "fallbacks": "neuron::fallback "}
-
-
-def _run_traced(exe: Executable, tensors: list[Any], scalars: list[Any]) -> Any:
-    """Run an executable from Python; while a profiler records device activity, as a run on the device
-    track (`_native/trace.h`; the native hit path records its own runs)."""
-    native = _hostmem.NATIVE
-    if native is None or not native.tracing():
-        return exe(tensors, scalars)
-    t0 = native.trace_now()
-    outs = exe(tensors, scalars)
-    label = getattr(exe, "__neuron_trace__", None)
-    native.trace_run(label if isinstance(label, tuple) else ("executable", "", "op", "exact"), 0, t0)
-    return outs
 
 
 # Ops whose overload objects take a Python number in a Tensor slot themselves, as a wrapped number (what

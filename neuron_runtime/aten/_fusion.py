@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .._native import _hostmem
+from .._native import _hostmem, _trace
 from ..signatures import _ops
 
 
@@ -285,7 +285,7 @@ class Fusion:
 
     def _run_each(self, nodes: list[_Node]) -> None:
         for node in nodes:
-            for d, o in zip(node.dsts, node.exe(node.ins, node.scalars)):
+            for d, o in zip(node.dsts, _trace.run(node.exe, node.ins, node.scalars)):
                 d.copy_(o)
 
     def _run_fused(self, group: Any, nodes: list[_Node], ext: list[Any], live: tuple[tuple[int, int], ...],
@@ -309,7 +309,7 @@ class Fusion:
             self.stats["groups_fused"] += 1
         scalars = [s for node in nodes for s in node.scalars]
         try:
-            outs = exe(ext, scalars)  # ext: tensors, and numbers in tensor slots (`x * 2`)
+            outs = _trace.run(exe, ext, scalars, _trace.FUSED)  # ext: tensors, and numbers in tensor slots
         except Exception:  # noqa: BLE001
             self.fused[group] = UNFUSIBLE
             return None

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._native import _hostmem
+from .._native import _hostmem, _trace
 from ..aten import _dispatch
 from . import _graph
 
@@ -195,7 +195,7 @@ class CompiledGraph:
         consts = plan.constants
         ins = [alias(t) if t.device.type == "neuron" else t
                for t in (args[p] if p >= 0 else consts[-1 - p] for p in plan.inputs)]
-        outs = self.exe(ins, ())
+        outs = _trace.run(self.exe, ins, (), _trace.GRAPHS)
         # Input mutations (an optimizer's parameters and moments): the executable wrote those the graph
         # reads (`plan.writes`); the others are copied on the host, into the inputs' CPU views. Version
         # counters are bumped as the in-place op would have.

@@ -39,6 +39,9 @@ def test_device_map_from_get_memory_info_places_the_model_on_neuron(saved: Path)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     cpu = GPT2LMHeadModel.from_pretrained(saved)
     torch.testing.assert_close(model(ids.to("neuron")).logits.cpu(), cpu(ids).logits, rtol=1e-4, atol=1e-5)
+    # The same through Transformers: device_map="auto" with that max_memory (docs/huggingface.md).
+    auto = GPT2LMHeadModel.from_pretrained(saved, device_map="auto", max_memory=max_memory())
+    assert {p.device for p in auto.parameters()} == {torch.device("neuron", 0)}
 
 
 def test_the_capacity_setting_decides_what_fits(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:

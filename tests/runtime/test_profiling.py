@@ -111,6 +111,24 @@ def test_executable_runs_are_device_activity_linked_to_their_op(cold: _dispatch.
 
 
 @native
+def test_graph_runs_have_their_own_track(cold: _dispatch.Runtime, tmp_path: Path) -> None:
+    f = torch.compile(lambda a: (a * 2 + 1).relu().sum(dim=0), backend="neuron")
+    a = torch.randn(16, 8, device=DEV)
+    f(a)
+    f(a)
+    with profile() as p:
+        f(a)
+    path = tmp_path / "graph.json"
+    p.export_chrome_trace(str(path))
+    raw = json.loads(path.read_text(), strict=False)["traceEvents"]
+    device = [e for e in raw if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    graphs = [e for e in device if e["args"]["kind"] == "graph"]
+    assert len(graphs) == 1 and graphs[0]["name"].startswith("graph:") and graphs[0]["args"]["key"] in cold.by_digest
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in raw if e.get("ph") == "M" and e["name"] == "thread_name"}
+    assert tracks[(graphs[0]["pid"], graphs[0]["tid"])] == "torch.compile graphs"
+
+
+@native
 def test_no_device_activity_without_a_profiler_or_with_cpu_only(cold: _dispatch.Runtime, tmp_path: Path) -> None:
     native_layer = _hostmem.NATIVE
     assert native_layer is not None

@@ -1,0 +1,148 @@
+"""How much of a step's trace the runtime names (JSON on stdout; README "Profiling").
+
+Each workload runs in fresh processes on an empty local tier (and fresh Inductor scratch):
+  cold process   step 1 profiled (every signature new: compiles in `sync` mode, host runs while the
+                 service compiles in `background` mode), then, once everything is compiled, one hit step;
+  warm process   the same job again on the filled local tier: step 1 (loads) and one hit step profiled.
+For each profiled step: its wall time, the share of it inside `neuron::*` ranges on the threads that ran
+its ops (the union of the ranges, the background thread left out: its work overlaps the step), that
+time by range kind, and the device track's runs (count, summed duration). Workloads: `demo` (`make
+demo`'s model and step) and `mlp` (LayerNorm, dropout, a new batch size every step, `loss.item()`).
+
+    python benchmarks/profiling.py [--tier aoti|reference] [--workloads demo,mlp] [--modes sync,background]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+JOB = r"""
+import json, sys, time, torch, neuron_runtime
+from neuron_runtime.aten import _dispatch
+from torch.profiler import profile, record_function
+workload, trace = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+if workload == "demo":
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+    sizes, width, classes = [64] * 8, 32, 10
+else:
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.LayerNorm(256), torch.nn.GELU(),
+                                torch.nn.Dropout(0.1), torch.nn.Linear(256, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 16))
+    sizes, width, classes = [48, 64, 40, 64, 56, 32, 64, 48], 128, 16
+model = model.to("neuron")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def step(i):
+    x = torch.randn(sizes[i], width).to("neuron")
+    y = torch.randint(0, classes, (sizes[i],)).to("neuron")
+    opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+def profiled(i, name):
+    with profile() as p:
+        with record_function("step"):
+            t0 = time.perf_counter()
+            step(i)
+            wall = time.perf_counter() - t0
+    p.export_chrome_trace(trace + name + ".json")
+    return wall
+out = {"first": profiled(0, "first")}
+for i in range(1, 8):  # until a step runs no op on the host (background mode compiles from a key's 2nd call)
+    neuron_runtime.wait_for_compiles(3600)
+    before = neuron_runtime.stats()["host_runs"]
+    step(i)
+    if neuron_runtime.stats()["host_runs"] == before and i >= 3:
+        break
+out["hit"] = profiled(0, "hit")
+bg = _dispatch.runtime().resolver._background
+out["bg_tid"] = bg.thread.native_id if bg is not None and bg.thread is not None else None
+s = neuron_runtime.stats()
+out.update(compiles=s["compiles"], compiles_by_kind=s["compiles_by_kind"], host_runs=s["host_runs"],
+           loads=s["loads"], fallback_ops=s["fallback_ops"])
+print(json.dumps(out))
+"""
+
+KINDS = ("compile", "load", "cache", "wait", "host_run", "fallback", "miss", "kernel_setup", "prefetch")
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def analyse(path: Path, wall_s: float, exclude_tid: int | None) -> dict[str, Any]:
+    events = [e for e in json.loads(path.read_text(), strict=False)["traceEvents"] if e.get("ph") == "X"]
+    step = next(e for e in events if e["name"] == "step")
+    t0, t1 = step["ts"], step["ts"] + step["dur"]
+    op_tids = {e["tid"] for e in events if e.get("cat") == "cpu_op" and t0 <= e["ts"] < t1} - {exclude_tid}
+
+    def clipped(pred: Any) -> list[tuple[float, float]]:
+        return [(max(e["ts"], t0), min(e["ts"] + e["dur"], t1)) for e in events
+                if e["tid"] in op_tids and e["name"].startswith("neuron::") and pred(e["name"])
+                and e["ts"] < t1 and e["ts"] + e["dur"] > t0]
+
+    named = _union(clipped(lambda n: True))
+    by_kind = {}
+    for kind in KINDS:
+        ms = _union(clipped(lambda n, k=kind: n.removeprefix("neuron::").split(" ")[0].split("[")[0].split(".")[0] == k))
+        if ms:
+            by_kind[kind] = round(ms / 1000, 2)
+    device = [e for e in events if e.get("cat") == "kernel"]
+    return {"wall_ms": round(wall_s * 1000, 2), "trace_step_ms": round((t1 - t0) / 1000, 2),
+            "named_share": round(named / (t1 - t0), 4), "named_ms_by_kind": by_kind,
+            "device_runs": len(device), "device_ms": round(sum(e["dur"] for e in device) / 1000, 2)}
+
+
+def run(work: Path, env: dict[str, str], workload: str, name: str) -> dict[str, Any]:
+    trace = work / f"{name}-"
+    r = subprocess.run([sys.executable, "-c", JOB, workload, str(trace)], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-3000:])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"first_step": analyse(Path(f"{trace}first.json"), out.pop("first"), out["bg_tid"]),
+            "hit_step": analyse(Path(f"{trace}hit.json"), out.pop("hit"), out.pop("bg_tid")), **out}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tier", default="aoti", choices=["aoti", "reference"])
+    p.add_argument("--workloads", default="demo,mlp")
+    p.add_argument("--modes", default="sync,background")
+    args = p.parse_args()
+    results: dict[str, Any] = {"tier": args.tier, "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+    for workload in args.workloads.split(","):
+        for mode in args.modes.split(","):
+            work = Path(tempfile.mkdtemp(prefix="neuron-profiling-"))
+            (work / "tmp").mkdir()
+            env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_NEURONX_COMPILER=args.tier,
+                       TORCH_NEURONX_COMPILE_MODE=mode, TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(work / "local"),
+                       TORCH_NEURONX_NEFF_CACHE_DIR="", TORCH_NEURONX_PREFETCH="0", TMPDIR=str(work / "tmp"),
+                       TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
+            try:
+                results[f"{workload}/{mode}"] = {"cold_process": run(work, env, workload, "cold"),
+                                                 "warm_process": run(work, env, workload, "warm"),
+                                                 "loadavg": [round(x, 2) for x in os.getloadavg()]}
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            print(json.dumps({f"{workload}/{mode}": results[f"{workload}/{mode}"]}), file=sys.stderr, flush=True)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
