@@ -33,16 +33,20 @@ __neuron_runtime__ = True  # _register.owner_of_privateuse1 knows its own module
 DEVICE = "neuron"
 
 
-def _device_index(device: Any = None) -> int:
+def _index(device: Any) -> int:
+    """The index `device` names (None: the current one, 0); a device of another type is an error."""
     if device is None:
         return 0
     if isinstance(device, int):
-        idx = device
-    else:
-        d = torch.device(device)
-        if d.type != DEVICE:
-            raise ValueError(f"expected a {DEVICE} device, got {d}")
-        idx = 0 if d.index is None else d.index
+        return device
+    d = torch.device(device)
+    if d.type != DEVICE:
+        raise ValueError(f"expected a {DEVICE} device, got {d}")
+    return 0 if d.index is None else d.index
+
+
+def _device_index(device: Any = None) -> int:
+    idx = _index(device)
     if idx != 0:
         raise RuntimeError(f"{DEVICE}:{idx} does not exist: this host has one {DEVICE} device, {DEVICE}:0")
     return 0
@@ -139,16 +143,8 @@ def _native() -> Any:
 
 def _memory_index(device: Any) -> int:
     """The index of a memory query: 0, or CUDA's allocator's error for another one (code written for
-    CUDA reads the error it knows); a device of another type is `_device_index`'s error."""
-    if device is None:
-        return 0
-    if isinstance(device, int):
-        idx = device
-    else:
-        d = torch.device(device)
-        if d.type != DEVICE:
-            raise ValueError(f"expected a {DEVICE} device, got {d}")
-        idx = 0 if d.index is None else d.index
+    CUDA reads the error it knows; `_native/memory.h` raises the same for `torch.accelerator`)."""
+    idx = _index(device)
     if idx != 0:
         raise RuntimeError(f"Invalid device argument {idx}: did you call init? (this host has one {DEVICE} "
                            f"device, {DEVICE}:0)")
