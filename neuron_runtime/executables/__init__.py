@@ -6,6 +6,7 @@
     _entries.py    what a compile stores: an executable's bytes, or a refusal
     _manifest.py   a job's manifest of the keys it used (prefetched on the next run)
     _record.py     recording signatures for `neuron-cache warm`
+    _megacache.py  the executables a process used, in `torch.compiler.save_cache_artifacts()` bundles
 
 Imports `cache/`, `compiler/` and `signatures/` below it. Nothing here is public API.
 """
