@@ -46,9 +46,14 @@ s = neuron_runtime.stats()
 out = {"losses": losses, "graph": graph, "compiles": s["compiles"], "by_kind": s["compiles_by_kind"],
        "loads": s["loads"], "graphs": s["graphs"], "megacache": s["megacache"], "fallback_ops": s["fallback_ops"]}
 if mode == "save":
+    from neuron_runtime import _profiling
+    from neuron_runtime.aten import _dispatch
     data, info = torch.compiler.save_cache_artifacts()
     open(bundle, "wb").write(data)
     out["artifacts"] = {k: len(v) for k, v in info.artifacts.items()}
+    local = _dispatch.runtime().cache
+    out["bundle_kinds"] = sorted({_profiling.kind_of(local.get_local(k).header["signature"])
+                                  for k in info.neuron_neff_artifacts})
 print(json.dumps(out))
 """
 
@@ -66,13 +71,21 @@ def job(tmp: Path, name: str, mode: str, bundle: Path, **env: str) -> dict[str, 
     return dict(json.loads(r.stdout.strip().splitlines()[-1]), stderr=r.stderr)
 
 
-@pytest.mark.parametrize("mode", ["sync", "background"])
+FUSION = {"TORCH_NEURONX_ENABLE_CONCATENATION": "1", "TORCH_NEURONX_FUSION_MIN_NUMEL": "1",
+          "TORCH_NEURONX_FUSION_MIN_SEEN": "1"}
+
+
+@pytest.mark.parametrize("mode", ["sync", "background", "fusion"])
 def test_a_second_process_after_loading_the_bundle_compiles_nothing(tmp_path: Path, mode: str) -> None:
+    """Executables of ops, shape classes, a torch.compile graph and (with fusion) a fused group."""
     bundle = tmp_path / "bundle.bin"
-    env = {"TORCH_NEURONX_COMPILE_MODE": mode, "TORCH_NEURONX_COMPILE_AFTER": "1",
-           "TORCH_NEURONX_COMPILE_IDLE_TIMEOUT": "2"}
+    env = {"TORCH_NEURONX_COMPILE_MODE": "background" if mode == "background" else "sync",
+           "TORCH_NEURONX_COMPILE_AFTER": "1", "TORCH_NEURONX_COMPILE_IDLE_TIMEOUT": "2",
+           **(FUSION if mode == "fusion" else {})}
     first = job(tmp_path, "first", "save", bundle, **env)
     assert first["compiles"] > 0 and first["by_kind"]["graph"] >= 1 and first["by_kind"]["op"] > 0
+    assert first["by_kind"]["fused"] >= (1 if mode == "fusion" else 0)
+    assert {"op", "class", "graph"} <= set(first["bundle_kinds"]) and ("fused" in first["bundle_kinds"]) == (mode == "fusion")
     assert first["artifacts"]["neuron_neff"] == first["megacache"]["recorded"] > 0
     second = job(tmp_path, "second", "load", bundle, **env)  # its own, empty local tier
     assert second["compiles"] == 0, second
