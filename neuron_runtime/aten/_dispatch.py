@@ -280,8 +280,9 @@ class Runtime:
                   values: tuple[Any, ...]) -> Any:
         """Everything but a hit: check devices, find or make the executable, run it, check the result
         against the op's contract once, then let the hit path serve this key. A profiler sees it as
-        `neuron::miss <op>` (README "Profiling")."""
-        if not _profiling.active():
+        `neuron::miss <op>` (README "Profiling"), except a key known to run on the host: that is its
+        `neuron::fallback` range alone, every call."""
+        if not _profiling.active() or (info.qualname, key) in self.fallback_keys:
             return self._slow_call(info, exes, key, values)
         with _profiling.span(f"neuron::miss {info.qualname}"):
             return self._slow_call(info, exes, key, values)

@@ -154,14 +154,16 @@ def test_host_runs_and_fallbacks_are_named(fresh_runtime: _dispatch.Runtime, mon
         _dispatch.reset_runtime().set_compiler(RefusingCompiler({"aten::mul.Tensor"}))
         with pytest.warns(UserWarning, match="runs on the host"):
             torch.mul(a, a)  # refused by the compiler: a fallback
+        torch.mul(a, a)  # known to run on the host: a fallback range, no miss
         fallbacks = neuron_runtime.stats()["fallbacks"]
         monkeypatch.setenv("TORCH_NEURONX_COMPILE_MODE", "background")
         _dispatch.reset_runtime()
         torch.sub(a, 1.0)  # a key seen once runs on the host (it compiles from its second request)
         host_runs = neuron_runtime.stats()["host_runs"]
-    names = {e.key for e in p.key_averages()}
-    assert "neuron::fallback aten::mul.Tensor" in names and "neuron::host_run aten::sub.Tensor" in names, names
-    assert fallbacks == 1 and host_runs == 1
+    calls = {e.key: e.count for e in p.key_averages()}
+    assert calls.get("neuron::fallback aten::mul.Tensor") == 2 and calls.get("neuron::miss aten::mul.Tensor") == 1
+    assert calls.get("neuron::host_run aten::sub.Tensor") == 1, sorted(k for k in calls if "neuron" in k)
+    assert fallbacks == 2 and host_runs == 1
 
 
 def test_single_flight_waits_are_named(tmp_path: Path) -> None:
