@@ -145,8 +145,8 @@ _VARS: dict[str, tuple[str, object]] = {
 }
 # Read elsewhere (signing key material; the native layer, loaded before any Config; the upstream test
 # runner's PyTorch checkout), listed so they are not reported as unknown.
-_OTHER_KNOWN = {"TORCH_NEURONX_CACHE_SIGNING_KEY", "TORCH_NEURONX_CACHE_SIGNING_KEY_FILE", "TORCH_NEURONX_NATIVE",
-                 "TORCH_NEURONX_PYTORCH_TESTS"}
+_OTHER_KNOWN = {"TORCH_NEURONX_CACHE_SIGNING_KEY", "TORCH_NEURONX_CACHE_SIGNING_KEY_FILE",
+                "TORCH_NEURONX_CACHE_SIGNING_KEY_HEX", "TORCH_NEURONX_NATIVE", "TORCH_NEURONX_PYTORCH_TESTS"}
 
 _COMPILERS = ("aoti", "reference")
 _MODES = ("readwrite", "readonly", "strict")
@@ -159,9 +159,19 @@ class ConfigError(ValueError):
 
 
 def _signing_key(env: dict[str, str]) -> bytes | None:
+    """The HMAC key: any bytes. From `..._KEY` (the variable's bytes as the OS holds them: `os.fsencode`
+    undoes Python's decoding of the environment, so a key that is not UTF-8 is kept exactly), `..._KEY_HEX`
+    (hex: how the runtime hands a key to the processes it starts, since an environment cannot hold a NUL
+    byte), or `..._KEY_FILE` (the file's bytes, surrounding whitespace stripped)."""
     key = env.get("TORCH_NEURONX_CACHE_SIGNING_KEY")
     if key:
-        return key.encode()
+        return os.fsencode(key)
+    hexed = env.get("TORCH_NEURONX_CACHE_SIGNING_KEY_HEX")
+    if hexed:
+        try:
+            return bytes.fromhex(hexed)
+        except ValueError:
+            raise ConfigError("TORCH_NEURONX_CACHE_SIGNING_KEY_HEX: not hexadecimal") from None
     path = env.get("TORCH_NEURONX_CACHE_SIGNING_KEY_FILE")
     if path:
         try:
@@ -206,7 +216,8 @@ def load(env: dict[str, str] | None = None) -> Config:
 
 def to_env(cfg: Config) -> dict[str, str]:
     """`cfg` as the environment variables that `load` reads back into an equal Config (the signing key
-    included): what a process started on the runtime's behalf needs to run the same configuration."""
+    included, as hex: any bytes): what a process started on the runtime's behalf needs to run the same
+    configuration. Environments are private to their user; never put this on a command line."""
     env: dict[str, str] = {}
     for name, (field, _) in _VARS.items():
         value = getattr(cfg, field)
@@ -214,7 +225,7 @@ def to_env(cfg: Config) -> dict[str, str]:
             continue
         env[name] = ("1" if value else "0") if isinstance(value, bool) else str(value)
     if cfg.signing_key is not None:
-        env["TORCH_NEURONX_CACHE_SIGNING_KEY"] = cfg.signing_key.decode()
+        env["TORCH_NEURONX_CACHE_SIGNING_KEY_HEX"] = cfg.signing_key.hex()
     return env
 
 

@@ -824,6 +824,12 @@ struct OpState final : c10::OperatorKernel {
         if (g_from_native == nullptr || !enqueue(op, e, stack, base)) call_python(op, stack, base, nullptr);
         return;
       }
+      // A write that may partially overlap an input goes to the Python kernel, which decides as CPU's
+      // TensorIterator does (raise, or run with the aliasing intact): an executable computes as if the
+      // inputs were copies. (`add` and every op that writes nothing never get here: `mutated < 0`.)
+      if (e && mutated >= 0 && !several_mutated && writes_overlap(*stack, base)) {
+        return call_python(op, stack, base, nullptr);
+      }
       // Queued ops run first (the Python kernel sees to that itself on the other paths).
       if (e && !e->python_only && g_pending.load(std::memory_order_relaxed)) flush_queued(op);
       const bool traced = neuron_trace::on();  // a profiler records device activity (trace.h)
@@ -962,6 +968,50 @@ struct OpState final : c10::OperatorKernel {
     }
     if (g_queue.size() >= g_limit) flush_for("buffer_limit");
     return true;
+  }
+
+  // Whether tensors `a` and `b` (distinct) cover intersecting bytes: exact for the dense tensors CPU checks
+  // (a non-dense one CPU lets pass: the Python kernel's exact rule decides then).
+  static bool spans_meet(const at::Tensor& a, const at::Tensor& b) {
+    if (!b.defined() || a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl() ||
+        b.unsafeGetTensorImpl()->is_wrapped_number()) {
+      return false;
+    }
+    const char* pa = static_cast<const char*>(a.data_ptr());
+    const char* pb = static_cast<const char*>(b.data_ptr());
+    return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+  }
+
+  // Whether the argument this op writes may partially overlap one it reads (element by element for two
+  // lists, as CPU's foreach ops check them). Cold: an in-place op's inputs are rarely views of its output.
+  bool writes_overlap(const Stack& stack, size_t base) const {
+    const c10::IValue& w = stack[base + mutated];
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      if (static_cast<int>(i) == mutated) continue;
+      const c10::IValue& v = stack[base + i];
+      if ((kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) && v.isTensor()) {
+        if (w.isTensor()) {
+          if (spans_meet(w.toTensor(), v.toTensor())) return true;
+        } else if (w.isTensorList()) {
+          for (const at::Tensor& t : w.toTensorList()) {
+            if (spans_meet(t, v.toTensor())) return true;
+          }
+        }
+      } else if (kinds[i] == TENSORS && v.isTensorList()) {
+        const auto& l = v.toTensorList();
+        if (w.isTensorList() && w.toTensorList().size() == l.size()) {
+          const auto& wl = w.toTensorList();
+          for (size_t j = 0; j < l.size(); ++j) {
+            if (spans_meet(wl.get(j), l.get(j))) return true;
+          }
+        } else if (w.isTensor()) {
+          for (const at::Tensor& t : l) {
+            if (spans_meet(w.toTensor(), t)) return true;
+          }
+        }
+      }
+    }
+    return false;
   }
 
   // The hit path. Returns false (stack untouched) if the executable raised: the Python kernel then

@@ -33,7 +33,8 @@ from ..compiler import CompileRefused, Compiler, Executable
 from ..executables import _megacache, _resolver
 from ..signatures import _ops, _signature
 from . import _fusion, _widen
-from ._writes import _dtype_name, check_mutated, device_error, out_device_error
+from ._writes import (_dtype_name, check_mutated, device_error, out_device_error, overlapping, shared_views,
+                      spans_meet, spans_meet_lists)
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +303,10 @@ class Runtime:
         host_values = tuple(to_host(v, strict=a.kind != _ops.OPT_TENSORS) for a, v in zip(info.args, values))
         if other_out:  # out= of another dtype: the CPU out= kernel applies PyTorch's rules for it
             return self.host_or_widen(info, key, values, host_values)[0]
+        if info.mutable and overlapping(info, values):
+            # A write that partially overlaps an input: CPU's kernel on views sharing one storage decides
+            # (its "unsupported operation" error, or a run with the aliasing as on CPU).
+            return self.host_shared(info, values, shared_views(values, host_values))
         if (info.qualname, key) in self.fallback_keys:
             return self.host_or_widen(info, key, values, host_values, fallback=True)[0]
         # Background mode: a key whose executable is being compiled runs on the host meanwhile.
@@ -425,6 +430,16 @@ class Runtime:
         if info.n_returns == 1:
             return rets[0]
         return tuple(rets)
+
+    def host_shared(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...]) -> Any:
+        """The op itself on CPU views that share storage as the neuron tensors do (`_writes.shared_views`),
+        out= tensors included: CPU's kernel sees the aliasing and applies its own rules to it."""
+        args = [h for a, h in zip(info.args, host_values) if not a.kwarg_only]
+        kwargs = {a.name: h for a, h in zip(info.args, host_values) if a.kwarg_only}
+        out = _op_for_numbers(info, args, kwargs)(*args, **kwargs)
+        with self.lock:
+            self.counts["host_ops"] += 1
+        return rewrap(out, values, host_values, to_cpu_result=_wants_cpu(info, values))
 
     def host_call(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
                   fallback: bool = False, counter: str | None = None) -> Any:
@@ -701,6 +716,10 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     lines.append("    _zexe = _zEG(_zkey)")
     lines.append("    if _zexe is None:")
     lines.append(f"        return _zRT().slow_call(_zINFO, _zEXES, _zkey, {values})")
+    overlap = _overlap_test(info)
+    if overlap:  # a write that may partially overlap an input: the slow path applies CPU's rule
+        lines.append(f"    if {overlap}:")
+        lines.append(f"        return _zRT().slow_call(_zINFO, {{}}, _zkey, {values})")
     lines += ["    " + b for b in alias_lines]
     if info.kind == "mutating":
         rets = info.returns_args
@@ -768,12 +787,36 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         "_zCB": _copy_back_out, "_zCBA": _copy_back_all, "_zNUM": NUMBERS, "_zFC": torch._foreach_copy_,
         "_zPENDING": _fusion.PENDING, "_zFLUSH": _fusion.flush, "_zSUBMIT": _fusion.submit,
         "_zQUEUES": _fusion.queues, "_zOUTMETA": _fusion.outmeta, "_zIV": torch._C._increment_version,
+        "_zOV": spans_meet, "_zOVL": spans_meet_lists,
     }
     exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
     kernel: Callable[..., Any] = scope["kernel"]
     kernel.__neuron_source__ = src  # type: ignore[attr-defined]
     kernel.__neuron_lookup__ = scope["lookup"]  # type: ignore[attr-defined]
     return kernel
+
+
+def _overlap_test(info: _ops.OpInfo) -> str:
+    """The generated kernel's test whether the argument an op writes may overlap one it reads
+    (`_writes.spans_meet`), or "" for an op that writes nothing or reads no tensor. Ops that write
+    several arguments (fused optimizers) are left to their kernels, as on CPU."""
+    if info.kind != "mutating" or len(info.mutable) != 1:
+        return ""
+    by_name = {a.name: a for a in info.args}
+    w = by_name[info.mutable[0]]
+    tests = []
+    for a in info.args:
+        if a.mutable or a.kind not in (_ops.TENSOR, _ops.OPT_TENSOR, _ops.TENSORS):
+            continue
+        if w.kind == _ops.TENSORS and a.kind == _ops.TENSORS:
+            tests.append(f"_zOVL({w.name}, {a.name})")
+        elif w.kind == _ops.TENSORS:
+            tests.append(f"any(_zOV(_zt, {a.name}) for _zt in {w.name})")
+        elif a.kind == _ops.TENSORS:
+            tests.append(f"any(_zOV({w.name}, _zt) for _zt in {a.name})")
+        else:
+            tests.append(f"_zOV({w.name}, {a.name})")
+    return " or ".join(tests)
 
 
 def _bump_before_return(line: str, bump: str) -> list[str]:

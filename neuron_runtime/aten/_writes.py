@@ -1,11 +1,19 @@
-"""Writes an op makes into its arguments (in-place, out=): the device and dtype rules CUDA applies.
+"""Writes an op makes into its arguments (in-place, out=): the device, dtype and aliasing rules CPU applies.
 
 An op never writes across devices: a CPU tensor an op on `neuron` would write into raises before anything
 runs (CUDA's messages). An out= tensor of another dtype than the result follows PyTorch's rules for that
-op, which its meta kernel states (see docs/dispatch.md, "Writes across devices and dtypes")."""
+op, which its meta kernel states (see docs/dispatch.md, "Writes across devices and dtypes").
+
+A written tensor that partially overlaps a tensor the op reads (`x[0:4].add_(x[2:6])`): an executable
+computes as if its inputs were copies, and the CPU views the host path runs on each have a storage of
+their own, so neither would notice. `spans_meet` is the hit path's cheap test (exact for dense tensors);
+`overlapping` is CPU's rule (TensorIterator's `get_overlap_status`); such a call runs the op on CPU views
+that share one storage where the neuron tensors share memory (`shared_views`), so CPU's own checks decide:
+the op raises CPU's "unsupported operation" error, or runs with its aliasing as on CPU."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -115,3 +123,78 @@ def _cpu_out_error(info: _ops.OpInfo, values: tuple[Any, ...]) -> str | None:
 def _dtype_name(d: torch.dtype) -> str:
     """PyTorch's name of a dtype in its messages (`Float`, `Long`)."""
     return torch.empty(0, dtype=d).type().removeprefix("torch.").removesuffix("Tensor")
+
+
+def spans_meet(a: torch.Tensor, b: Any) -> bool:
+    """Whether `b` (a tensor other than `a`, or not a tensor) covers bytes `a` covers: the hit path's test
+    before a written tensor `a` is written (exact for dense tensors, which is all CPU checks)."""
+    if a is b or b is None or b.__class__ in (bool, int, float, complex):
+        return False
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return bool(pa < pb + b.nbytes and pb < pa + a.nbytes)
+
+
+def spans_meet_lists(a: list[torch.Tensor], b: list[Any]) -> bool:
+    """`spans_meet` element by element (two lists of one length, as CPU's foreach ops check them)."""
+    return len(a) == len(b) and any(spans_meet(x, y) for x, y in zip(a, b))
+
+
+def _partial(a: torch.Tensor, b: Any) -> bool:
+    """CPU's rule: `a` and `b` cover some of the same bytes, and are not the very same elements (equal
+    spans and strides). Tensors that are not dense CPU does not judge (too hard): not partial."""
+    if not isinstance(b, torch.Tensor) or not spans_meet(a, b) or a.numel() == 0 or b.numel() == 0:
+        return False
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+
+    if not (is_non_overlapping_and_dense(a) and is_non_overlapping_and_dense(b)):
+        return False
+    if a.data_ptr() == b.data_ptr() and a.nbytes == b.nbytes:
+        return a.stride() != b.stride()
+    return True
+
+
+def _pairs(info: _ops.OpInfo, values: tuple[Any, ...]) -> list[tuple[torch.Tensor, Any]]:
+    """(written tensor, read tensor) pairs CPU checks for overlap: each written tensor with each tensor
+    the op reads; two lists element by element."""
+    pairs: list[tuple[torch.Tensor, Any]] = []
+    for a, w in zip(info.args, values):
+        if not a.mutable:
+            continue
+        for b, r in zip(info.args, values):
+            if b.mutable or b.kind not in (_ops.TENSOR, _ops.OPT_TENSOR, _ops.TENSORS, _ops.OPT_TENSORS):
+                continue
+            ws = list(w) if isinstance(w, (list, tuple)) else [w]
+            rs = list(r) if isinstance(r, (list, tuple)) else [r]
+            if isinstance(w, (list, tuple)) and isinstance(r, (list, tuple)):
+                pairs += [(x, y) for x, y in zip(ws, rs) if len(ws) == len(rs)]
+            else:
+                pairs += [(x, y) for x in ws for y in rs]
+    return [(x, y) for x, y in pairs if isinstance(x, torch.Tensor)]
+
+
+def overlapping(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
+    """Whether a tensor the op writes partially overlaps one it reads (CPU's rule: `_partial`)."""
+    return any(_partial(x, y) for x, y in _pairs(info, values))
+
+
+def shared_views(values: tuple[Any, ...], host_values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`host_values` with each neuron tensor's CPU view remade over one CPU storage per neuron storage, so
+    that CPU sees tensors that share memory as views of one tensor (and applies its aliasing rules)."""
+    bases: dict[int, torch.Tensor] = {}
+
+    def view(t: Any, h: Any) -> Any:
+        if isinstance(t, (list, tuple)):
+            return type(h)(view(x, y) for x, y in zip(t, h))
+        if not isinstance(t, torch.Tensor) or t.device.type != DEVICE or t.numel() == 0:
+            return h
+        st = t.untyped_storage()
+        start, nbytes = st.data_ptr(), st.nbytes()
+        if nbytes % t.element_size():
+            return h
+        base = bases.get(start)
+        if base is None:
+            buf = (ctypes.c_uint8 * nbytes).from_address(start)
+            base = bases[start] = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+        return base.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    return tuple(view(t, h) for t, h in zip(values, host_values))

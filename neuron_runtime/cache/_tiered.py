@@ -250,6 +250,25 @@ class TieredCache:
         self._verify(key, data)
         return self._write(key, data)
 
+    def read_tier(self, name: str, key: str) -> envelope.Entry | None:
+        """The verified entry tier `name` holds for `key` (a bad one is quarantined), without looking at
+        the other tiers or filling them: for data each tier keeps on its own (a job's manifest)."""
+        check_key(key)
+        got = self._read(name, dict(self.tiers)[name], key)
+        return None if got is None else got[0]
+
+    def put_tier(self, name: str, key: str, data: bytes) -> bool:
+        """Verify `data`, then write it to tier `name` only (first writer wins); False when skipped."""
+        check_key(key)
+        self._verify(key, data)
+        if not self.writable:
+            return False
+        backend = dict(self.tiers)[name]
+        if self._safe(name, "put", functools.partial(backend.put, key, data), False):
+            return True
+        self._count("writes_skipped")
+        return False
+
     def _write(self, key: str, data: bytes) -> bool:
         if not self.writable:
             return False

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import signal
 import time
@@ -26,15 +25,19 @@ def add_parsers(sub: Any) -> None:
 def services() -> list[dict[str, Any]]:
     from neuron_runtime.executables._service._client import ask, service_dir
 
+    d = service_dir()
     out = []
-    for path in sorted(glob.glob(os.path.join(service_dir(), "*.sock"))):
+    for name in d.names():
+        if not name.endswith(".sock"):
+            continue
         try:
-            hello, status = ask(path, [{"op": "hello", "pid": os.getpid()}, {"op": "status"}])
+            hello, status = ask(d.at(name), [{"op": "hello", "pid": os.getpid()}, {"op": "status"}])
         except (OSError, ValueError):
             continue  # a socket left by a service that is gone
         status.pop("op", None)
         # This very connection is one of its clients.
-        out.append({"socket": path, "pid": hello.get("pid"), **status, "clients": status.get("clients", 1) - 1})
+        out.append({"socket": os.path.join(d.path, name), "pid": hello.get("pid"), **status,
+                    "clients": status.get("clients", 1) - 1})
     return out
 
 

@@ -7,10 +7,15 @@ the op runs on the host. From there, on this module's thread:
      its worker wrote to the local tier, which is loaded and handed to the resolver's memory tier. The
      kernel's next call of the key finds it there and runs it through the hit path.
   3. If the service cannot be started, the key compiles in this process instead (one warning).
-Prefetch: once the job's identity is known (`_manifest`), its manifest is read from the tiers, every
-entry it names is loaded in one batch (`TieredCache.get_many`), and the missing ones are queued for
-compiling behind the ones an op is waiting for. What this process used is written back to the manifest
-when the job goes quiet (no new key for `QUIET_S`), on `wait_for_compiles()` and at exit.
+Prefetch: once the job's identity is known (`_manifest`), its manifest is read from the tiers, the
+entries that may serve each signature it names (derived here: `Resolver.candidates`) are loaded in one
+batch (`TieredCache.get_many`), and the missing ones are queued for compiling behind the ones an op is
+waiting for. What this process used is appended to the manifest when the job goes quiet (no new key for
+`QUIET_S`), on `wait_for_compiles()` and at exit.
+
+Every answer is checked against the request (the one rule of `_resolver`): the entry the service
+names must be one of the job's candidates, and a key waiting on a job is linked to its result only if
+that result is one of the key's own candidates; a key it cannot serve is asked for again on its own.
 
 Everything here is best effort: a failure is a warning and a host run, never an exception in an op.
 """
@@ -20,8 +25,6 @@ from __future__ import annotations
 import atexit
 import base64
 import collections
-import hashlib
-import json
 import logging
 import os
 import sys
@@ -44,6 +47,9 @@ class _Job:
     """One compile asked of the service: its candidates and the exact keys waiting for its result."""
 
     __slots__ = ("candidates", "keys", "priority", "since", "started")
+    # `keys`: the exact keys waiting for this job, each with its signature; they joined because their
+    # first candidate is this job's key (e.g. one flat class), which does not make the job's result
+    # theirs: `_finish` checks each.
 
     def __init__(self, candidates: list[dict[str, Any]], priority: int) -> None:
         self.candidates = candidates
@@ -63,17 +69,18 @@ class Background:
         self.jobs: dict[str, _Job] = {}      # job key (first candidate's) -> job
         self.waiting: dict[str, str] = {}     # exact key -> job key
         self.refused: dict[str, str] = {}     # exact key -> why (this process runs it on the host)
+        self.retry_at: dict[str, float] = {}  # exact key -> when it may be asked for again (service back-off)
         self.work: collections.deque[tuple[str, Any]] = collections.deque()
         self.counts = {"queued": 0, "done": 0, "loaded": 0, "refused": 0,
                        "prefetched": 0, "prefetch_hits": 0, "prefetch_queued": 0, "manifest_writes": 0}
         self.latency: list[float] = []
         self.prefetched: set[str] = set()
-        self.used: dict[str, list[dict[str, Any]]] = {}  # keys this process resolved -> candidates
+        self.used: dict[str, dict[str, Any]] = {}  # keys this process resolved -> exact signature
         self.first: list[str] = []
         self.job: str | None = None
-        self.manifest_seen: dict[str, list[dict[str, Any]]] = {}
+        self.manifest: _manifest.Chain | None = None
         self.dirty_since: float | None = None
-        self.republish = False  # the manifest is missing from a tier (write it even if nothing is new)
+        self.finishing = 0  # `_finish` calls between a job's end and its keys' new requests (wait() waits)
         self.manifest_asked = 0  # wait()'s manifest requests, numbered; the thread answers them in order
         self.manifest_done = 0
         self.client: Any = None
@@ -88,14 +95,20 @@ class Background:
 
     # -- called by the resolver (any thread) --------------------------------------------------------
     def lookup(self, key: str) -> tuple[bool, str | None]:
-        """(waiting, refusal) of an exact key: whether its compile is under way, and why it was refused."""
+        """(waiting, refusal) of an exact key: whether its compile is under way (or may not be asked for
+        again yet: the service is backing off), and why it was refused."""
+        if key in self.retry_at:
+            if time.monotonic() < self.retry_at[key]:
+                return True, None
+            self.retry_at.pop(key, None)
         return key in self.waiting, self.refused.get(key)
 
     def request(self, key: str, sig: dict[str, Any], candidates: list[dict[str, Any]], priority: int = 0) -> None:
-        """Compile `candidates` (most general first) for exact key `key` in the background."""
+        """Compile `candidates` (most general first, exact `sig` last, as `Resolver.live_candidates`
+        gives them) for exact key `key` in the background."""
         job_key = self.resolver.key(candidates[0])
         with self.cv:
-            if key in self.waiting or key in self.refused:
+            if key in self.waiting or key in self.refused or key in self.retry_at:
                 return
             self.waiting[key] = job_key
             job = self.jobs.get(job_key)
@@ -110,15 +123,17 @@ class Background:
                 self._push(("fetch", job_key))  # a prefetched key an op now waits for: ask again, sooner
             job.keys[key] = sig
 
-    def note(self, key: str, candidates: list[dict[str, Any]]) -> None:
-        """A key this process uses (for its manifest); the first ones name an unnamed job."""
+    def note(self, key: str, sig: dict[str, Any]) -> None:
+        """A key this process uses, with its exact signature (for its manifest); the first ones name an
+        unnamed job."""
         if not self.cfg.prefetch:
             return
         with self.cv:
             if key in self.used:
                 return
-            self.used[key] = candidates
-            if key not in self.manifest_seen:
+            self.used[key] = sig
+            chain = self.manifest
+            if chain is None or key not in chain.items:
                 self.dirty_since = time.monotonic()
             if key in self.prefetched:
                 self.counts["prefetch_hits"] += 1
@@ -139,7 +154,7 @@ class Background:
         timeout ran out first. Writes the job's manifest when everything is in."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cv:
-            while self.jobs:
+            while self.jobs or self.finishing:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -264,12 +279,21 @@ class Background:
                 self.resolver.count("compiles")
                 self.resolver.count_kind(job.candidates[-1])
             found = msg.get("found") or job_key
+            keys = [self.resolver.key(c) for c in job.candidates]
+            if found not in keys:  # the service answers for another key than we asked: never load it
+                self._finish(job_key, None, f"the compile service answered with entry {str(found)[:64]!r}, which "
+                             "is none of the request's candidates")
+                return
+            # The worker tries the candidates in order and passes one only for its (cached) refusal.
+            for k in keys[: keys.index(found)]:
+                with self.resolver.lock:
+                    self.resolver.refused_classes.setdefault(k, "refused (compile service)")
             cache = self.resolver.cache
             entry = cache.get_local(found) if cache is not None else None
             if entry is None and msg.get("entry") and cache is not None:
                 # The worker could not store it (a full or read-only local tier): verify what it sent.
                 try:
-                    entry = cache.verify(found, base64.b64decode(msg["entry"]))
+                    entry = cache.verify(found, base64.b64decode(str(msg["entry"]), validate=True))
                 except Exception as e:  # noqa: BLE001 - a bad entry is never loaded
                     self._finish(job_key, None, f"the compile worker's entry {found} does not verify: {e}")
                     return
@@ -285,7 +309,13 @@ class Background:
             self.in_process = True
             self._compile_here(job_key, job)
         else:
-            why = str(msg.get("reason") or status)
+            why = str(msg.get("reason") or status)[:2000]
+            retry = msg.get("retry_after")
+            if status == "failed" and isinstance(retry, (int, float)) and not isinstance(retry, bool):
+                # The service cannot start workers right now (it backs off): the keys run on the host and
+                # are asked for again after the back-off, not refused for this process's lifetime.
+                self._finish(job_key, None, why, retry_after=min(max(float(retry), 1.0), 600.0))
+                return
             if status == "refused":
                 self._used_refusals(job)
             self._finish(job_key, None, why if status == "refused" else f"compile {status}: {why}")
@@ -304,33 +334,45 @@ class Background:
         try:
             _entries.check(entry)
             exe = self.resolver.load_entry(key, entry)
-        except CompileRefused as e:
+        except CompileRefused as e:  # a refusal, or an entry this host cannot use (`load_entry`)
             self._finish(job_key, None, str(e))
-            return
-        except Exception as e:  # noqa: BLE001 - verified bytes that do not load here: never run them
-            self.resolver.count("corrupt")
-            self._finish(job_key, None, f"entry {key} does not load here ({type(e).__name__}: {e})")
             return
         self._finish(job_key, exe, None, found=key)
 
     def _compile_here(self, job_key: str, job: _Job) -> None:
-        """The service is unavailable: the resolver's own (blocking) path, on this thread."""
-        for i, cand in enumerate(job.candidates):
-            try:
-                exe, k = self.resolver.resolve_now(cand)
-            except CompileRefused as e:
-                if i + 1 < len(job.candidates):
-                    continue
-                self._finish(job_key, None, str(e))
-                return
-            self._finish(job_key, exe, None, found=k)
+        """The service is unavailable: the resolver's own (blocking) path, on this thread, for the job's
+        first key; `_finish` then serves (or asks again for) the others."""
+        key, sig = next(iter(job.keys.items()), (job_key, job.candidates[-1]))
+        try:
+            exe, k = self.resolver.resolve_now(sig)
+        except CompileRefused as e:
+            self._finish(job_key, None, str(e))
             return
+        self._finish(job_key, exe, None, found=self.resolver.classes.get(k, k))
 
-    def _finish(self, job_key: str, exe: Executable | None, why: str | None, found: str | None = None) -> None:
+    def _finish(self, job_key: str, exe: Executable | None, why: str | None, found: str | None = None,
+                retry_after: float | None = None) -> None:
         with self.cv:
             job = self.jobs.pop(job_key, None)
             if job is None:
                 return
+            self.finishing += 1
+        try:
+            self._finished(job, exe, why, found or job_key, retry_after)
+        finally:
+            with self.cv:
+                self.finishing -= 1
+                self.cv.notify_all()
+
+    def _finished(self, job: _Job, exe: Executable | None, why: str | None, found: str,
+                  retry_after: float | None) -> None:
+        resolver = self.resolver
+        cand = None
+        if exe is not None:  # the signature the executable was made for: one the job asked for
+            cand = next((c for c in job.candidates if resolver.key(c) == found), None) or job.keys.get(found)
+            if cand is None:
+                exe, why = None, f"an executable for {found}, which is none of the job's candidates"
+        with self.cv:
             self.counts["done"] += 1
             self.latency.append(time.monotonic() - job.since)
             if len(self.latency) > 4096:
@@ -338,17 +380,22 @@ class Background:
             for k in job.keys:
                 self.waiting.pop(k, None)
                 if exe is None:
-                    self.refused[k] = why or "not compiled"
+                    if retry_after is not None:
+                        self.retry_at[k] = time.monotonic() + retry_after
+                    else:
+                        self.refused[k] = why or "not compiled"
             self.counts["loaded" if exe is not None else "refused"] += 1
-        if exe is not None:
-            found = found or job_key
-            cand = next((c for c in job.candidates if self.resolver.key(c) == found), job.candidates[-1])
-            self.resolver.remember(found, cand, exe)
-            for k in job.keys:
-                if k != found:
-                    self.resolver.link(k, found)
-        with self.cv:
-            self.cv.notify_all()
+        again: list[tuple[str, dict[str, Any]]] = []
+        if exe is not None and cand is not None:
+            resolver.remember(found, cand, exe)
+            for k, sig in job.keys.items():
+                # Each waiting key gets the job's executable only if it is one of its own candidates
+                # (`Resolver.link`); otherwise it is asked for again, on its own (its first candidate is
+                # then another one: `found` is its own, or the classes before it were refused).
+                if k != found and not resolver.has(k) and not resolver.link(k, found, sig):
+                    again.append((k, sig))
+        for k, sig in again:
+            self.request(k, sig, self.resolver.live_candidates(sig), job.priority)
 
     # -- the service --------------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -357,11 +404,12 @@ class Background:
         try:
             from ._service._client import SERVER, ServiceClient
 
-            path, env = service_address(self.cfg, self.resolver.fingerprint)
-            argv = [sys.executable, SERVER, "--socket", path, "--workers", str(self.cfg.compile_workers),
+            d, name, env = service_address(self.cfg, self.resolver.fingerprint)
+            argv = [sys.executable, SERVER, "--socket", os.path.join(d.path, name),
+                    "--workers", str(self.cfg.compile_workers),
                     "--timeout", str(self.cfg.compile_timeout_s), "--idle-timeout",
                     str(self.cfg.compile_idle_timeout_s), "--max-queue", str(self.cfg.compile_queue)]
-            self.client = ServiceClient(path, argv, env, lambda m: self._push(("answer", m)))
+            self.client = ServiceClient(d.at(name), argv, env, lambda m: self._push(("answer", m)))
         except OSError as e:
             self._warn("service", f"neuron: no compile service on this host ({e}); compiling in this process")
             self.in_process = True
@@ -373,50 +421,40 @@ class Background:
         cache = self.resolver.cache
         if cache is None:
             return
-        mkey = _manifest.key(job, self.resolver.fingerprint)
-        entry, _ = cache.get_entry(mkey)
-        if entry is None:
-            return
-        try:
-            items, problems = _manifest.parse(entry)
-        except _manifest.ManifestError as e:
-            self._warn("manifest", f"neuron: the manifest of job {job!r} cannot be used ({e}); ignoring it")
-            return
-        for k, sigs in list(items.items()):
-            try:
-                if self.resolver.key(sigs[-1]) != k:  # the exact signature comes last
-                    raise ValueError("this runtime keys its signature differently")
-            except (ValueError, TypeError, KeyError, _signature.SignatureError) as e:
-                problems.append(f"entry {k[:12]}: {e}")
-                del items[k]
-        if problems:
-            self._warn("manifest-items", f"neuron: {len(problems)} entr{'y' if len(problems) == 1 else 'ies'} of the "
-                       f"manifest of job {job!r} skipped (e.g. {problems[0]})")
+        resolver = self.resolver
+        chain = _manifest.Chain(cache, job, resolver.fingerprint, resolver.key)
+        items = chain.read()
         with self.cv:
-            self.manifest_seen = dict(items)
-            if cache.fleet is not None and mkey not in cache.fleet.contains_many([mkey]):
-                self.republish = True  # found locally only: the fleet store gets it too
+            self.manifest = chain
+            if any(k not in chain.items for k in self.used):
                 self.dirty_since = time.monotonic()
-        # An entry is found under one of its candidates' keys (a shape class's, or the exact one's).
-        wanted = [k for k in items if not self.resolver.has(k)]
-        keys = {k: [self.resolver.key(c) for c in items[k]] for k in wanted}
+            if cache.fleet is not None and any(not chain.held.get(n) for n, _ in cache.tiers) and items:
+                self.dirty_since = time.monotonic()  # a tier lacks the manifest: it gets a copy
+        if chain.problems:
+            self._warn("manifest-items", f"neuron: {len(chain.problems)} part(s) of the manifest of job {job!r} "
+                       f"skipped (e.g. {chain.problems[0]})")
+        # Which executables may serve each signature is derived here, as a call would (`candidates`): a
+        # manifest names signatures, never which executable runs them.
+        wanted = [k for k in items if not resolver.has(k)]
+        cands = {k: resolver.live_candidates(items[k]) for k in wanted}
+        keys = {k: [resolver.key(c) for c in cands[k]] for k in wanted}
         found = cache.get_many(sorted({ck for cks in keys.values() for ck in cks})) if wanted else {}
         served: set[str] = set()
         for k in wanted:
-            for ck, cand in zip(keys[k], items[k]):
+            for ck, cand in zip(keys[k], cands[k]):
                 e = found.get(ck)
                 if e is None or e.header.get(_entries.REFUSED):
                     continue
                 loaded = False
-                if self.resolver.executable(ck) is None:
+                if resolver.executable(ck) is None:
                     try:
-                        exe = self.resolver.load_entry(ck, e)
-                    except Exception:  # noqa: BLE001 - it loads (or is replaced) when an op needs it
-                        continue
-                    self.resolver.remember(ck, cand, exe)
+                        exe = resolver.load_entry(ck, e)
+                    except CompileRefused:
+                        continue  # this host cannot use it: the op runs on the host when it comes
+                    resolver.remember(ck, cand, exe)
                     loaded = True
-                if ck != k:
-                    self.resolver.link(k, ck)
+                if ck != k and not resolver.link(k, ck, items[k]):
+                    continue
                 served.add(k)
                 with self.cv:
                     self.prefetched.add(k)
@@ -427,8 +465,8 @@ class Background:
         if self.cfg.cache_mode == "strict":
             return  # strict: a miss is an error when it happens, never a background compile
         for k in wanted:
-            if k not in served and not self.resolver.has(k):
-                self.request(k, items[k][-1], items[k], priority=1)
+            if k not in served and not resolver.has(k) and k not in resolver.unloadable:
+                self.request(k, items[k], cands[k], priority=1)
 
     def _write_manifest(self) -> None:
         cache = self.resolver.cache
@@ -436,22 +474,14 @@ class Background:
             job = self.job
             if job is None or cache is None or not cache.writable or self.dirty_since is None:
                 return
-            merged = dict(self.manifest_seen)
-            for k, v in self.used.items():
-                merged.setdefault(k, v)
-            if len(merged) == len(self.manifest_seen) and not self.republish:
-                self.dirty_since = None
-                return
             self.dirty_since = None
-            self.republish = False
-            self.manifest_seen = merged
-        mkey = _manifest.key(job, self.resolver.fingerprint)
-        data = cache.pack(mkey, _manifest.header(job, self.resolver.fingerprint), _manifest.payload(job, merged))
-        for _, backend in cache.tiers:
-            backend.delete(mkey)  # a manifest grows: the new version replaces the old (first writer wins)
-        cache.put(mkey, data)
-        with self.cv:
-            self.counts["manifest_writes"] += 1
+            used = dict(self.used)
+            if self.manifest is None:
+                self.manifest = _manifest.Chain(cache, job, self.resolver.fingerprint, self.resolver.key)
+            chain = self.manifest
+        if chain.append(used):
+            with self.cv:
+                self.counts["manifest_writes"] += 1
 
     # -- end ----------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -478,13 +508,16 @@ class Background:
         warnings.warn(message, UserWarning, stacklevel=2)
 
 
-def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[str, dict[str, str]]:
-    """(socket path, environment) of the host's compile service for this configuration.
+def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[Any, str, dict[str, str]]:
+    """(socket directory, socket name, environment) of the host's compile service for this configuration.
 
     One service per host and configuration: its workers must compile what this process would (tier,
-    fingerprint, tiers, signing key, timeouts), so all of that is in the socket's name. The socket
-    lives in a private directory of this user's (`/tmp/neuron-runtime-<uid>`, mode 0o700): nobody
-    else can talk to it (Unix socket paths are short, so it cannot live in the cache directory)."""
+    fingerprint, tiers, signing key, timeouts), so all of that identifies it. The socket lives in a
+    private directory of this user's (`_client.service_dir`: `$TMPDIR/neuron-runtime-<uid>`, 0o700,
+    checked without following links): nobody else can talk to it (Unix socket paths are short, so it
+    cannot live in the cache directory). Its name is an HMAC of the identity under a random per-user
+    salt kept in that directory, so neither the name nor the service's command line reveals anything
+    derived from a secret (the signing key, AWS credentials) to anyone who cannot read the directory."""
     from .. import __file__ as package_file, __version__
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
@@ -502,8 +535,7 @@ def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[s
                 "local": local_id,
                 "fp": fingerprint, "env": {k: v for k, v in env.items()
                                            if k.startswith(("TORCH_NEURONX_", "AWS_", "FSSPEC_"))}}
-    name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     from ._service._client import service_dir
 
     d = service_dir()
-    return os.path.join(d, f"{name}.sock"), env
+    return d, d.name(identity), env

@@ -4,16 +4,61 @@ A refusal is cached like an artifact (an envelope whose header carries `refused`
 empty), so a fleet asks the compiler about an op it cannot compile once, not once per host and run, and a
 strict-mode job finds the answer in the cache (the op runs on the host, as everywhere else) instead of
 failing on a miss. A refusal names the neuron-runtime version that made it: another version may compile
-the op (refusals are often our own gaps, fixed later), so it asks the compiler again (`stale_refusal`)."""
+the op (refusals are often our own gaps, fixed later), so it asks the compiler again (`stale_refusal`).
+
+Only a verdict about the op is cached. A failure that says something about this host or this moment (a
+full disk, memory, a compiler killed or timed out, a CPU below the target: `transient`) is a
+`HostRefused`: the op runs on the host in this process, and no tier learns anything from it."""
 
 from __future__ import annotations
 
+import errno
+import subprocess
 from typing import Any
 
 from .. import _profiling
 from ..compiler import Compiler, CompileRefused
 
 REFUSED = "refused"
+
+
+class HostRefused(CompileRefused):
+    """This host cannot compile or load the key's executable now (see `transient`): the op runs on the
+    host in this process; nothing is cached, and no tier's entry is deleted or replaced."""
+
+
+_TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EMFILE, errno.ENFILE,
+                               errno.EAGAIN, errno.ETIMEDOUT, errno.EIO})
+# What a compiler's output says when the host, not the op, was the problem (g++ killed by the OOM killer,
+# a full /tmp, ...): Inductor reports a failed C++ build as text.
+_TRANSIENT_TEXT = ("no space left on device", "cannot allocate memory", "out of memory", "memory exhausted",
+                   "killed signal terminated program", "too many open files", "disk quota exceeded",
+                   "resource temporarily unavailable", "timed out")
+
+
+def transient(e: BaseException) -> str | None:
+    """Why `e` (or an exception in its cause chain) is about this host or moment rather than the op: a
+    short reason, or None for a verdict on the op (cacheable)."""
+    from ..compiler._toolchain import ToolchainError  # compiler tiers share it: a host that cannot build
+
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen and len(seen) < 32:
+        seen.add(id(x))
+        if isinstance(x, (MemoryError, TimeoutError, subprocess.TimeoutExpired)):
+            return type(x).__name__
+        if isinstance(x, ToolchainError):
+            return "this host cannot build or run code for the target"
+        if isinstance(x, OSError) and x.errno in _TRANSIENT_ERRNOS:
+            return errno.errorcode.get(x.errno or 0, "OSError")
+        if isinstance(x, subprocess.CalledProcessError) and (x.returncode < 0 or x.returncode in (137, 143)):
+            return f"a compiler process was killed (status {x.returncode})"
+        text = str(x).lower()
+        hit = next((t for t in _TRANSIENT_TEXT if t in text), None)
+        if hit is not None:
+            return hit
+        x = x.__cause__ or x.__context__
+    return None
 
 
 def build_entry(cache: Any, compiler: Compiler, key: str, sig: dict[str, Any], fingerprint: dict[str, Any],
@@ -27,7 +72,15 @@ def build_entry(cache: Any, compiler: Compiler, key: str, sig: dict[str, Any], f
     try:
         with _profiling.compile_span(sig, key):
             payload = compiler.compile(sig)
-    except CompileRefused as e:
+    except HostRefused:
+        raise
+    except Exception as e:
+        why = transient(e)
+        if why is not None:
+            raise HostRefused(f"{sig.get('op')}: compile failed on this host ({why}; not cached): "
+                              f"{str(e)[:300]}") from e
+        if not isinstance(e, CompileRefused):
+            raise
         header[REFUSED] = str(e)
         header["runtime"] = __version__
         payload = b""
@@ -49,11 +102,13 @@ def stale_refusal(entry: Any) -> bool:
 
 
 def replace(cache: Any, key: str, compile_entry: Any) -> Any:
-    """Compile `key` again and store the result in place of the cached entry (tiers keep the first writer,
-    so the old entry goes first). Returns the verified new entry."""
+    """Compile `key` again and store the result in place of a stale refusal (tiers keep the first writer,
+    so the old entry goes first). The compile comes first: if it fails (or fails on this host only), the
+    cached entry stays as it is. Returns the verified new entry."""
+    data = compile_entry()
+    new = cache.verify(key, data)
     if cache.writable:
         for _, backend in cache.tiers:
             backend.delete(key)
-    data = compile_entry()
     cache.put(key, data)
-    return cache.verify(key, data)
+    return new

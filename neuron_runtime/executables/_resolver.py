@@ -8,6 +8,12 @@
 `CompileRefused` (the op runs on the host: a cached refusal, or the compiler's answer), `CacheMissError`
 (strict mode) or `IntegrityError`. Nothing here knows about aten ops: a signature is an op's, or a fused
 group's graph; the digest of (signature, compiler fingerprint) is the key everywhere.
+
+One rule decides what runs (docs/cache.md, "Trust model"): a key is served only by the executable of its
+own signature, or of a shape class that signature belongs to, both derived here from the call's own
+signature (`allowed`). Links between keys are made only through `link`, which checks it; nothing a
+manifest, a peer, the compile service or a cache entry says can widen it. An entry whose header names
+another signature than its key's is never loaded (`load_entry`).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class Resolver:
         self.compile_kinds: dict[str, int] = {"op": 0, "fused": 0, "graph": 0}  # compiles this process caused
         self._kinds_lock = threading.Lock()  # its own: callers may hold the runtime's lock, or the cache's
         self.refused_classes: dict[str, str] = {}  # class key -> why it has no generic executable
+        self.unloadable: dict[str, str] = {}  # key -> why this host cannot load or compile it (never cached)
         self.recorder: Callable[[dict[str, Any], str], None] | None = None
         if cfg.record_file:
             from ._record import Recorder
@@ -97,7 +104,7 @@ class Resolver:
         digest = self.key(sig)
         exe = self.executable(digest)
         if exe is not None:
-            self.note(digest, [sig])  # e.g. a prefetched executable: the job used it
+            self.note(digest, sig)  # e.g. a prefetched executable: the job used it
             return exe, digest
         if wait is None:
             wait = self.cfg.compile_mode != "background"
@@ -119,18 +126,20 @@ class Resolver:
             found = self._known(candidates, keys) if len(candidates) > 1 else None
             exe, k = found or self._compile_first(candidates, keys)
             if k != digest:
-                self.link(digest, k)
-        self.note(digest, [sig])
+                self.link(digest, k, sig)
+        self.note(digest, sig)
         return exe, digest
 
     def _compile_first(self, candidates: list[dict[str, Any]], keys: list[str]) -> tuple[Executable, str]:
         """The first candidate's executable the tiers or the compiler give, with its key."""
         for i, (cand, k) in enumerate(zip(candidates, keys)):
             last = i + 1 == len(candidates)
-            if not last and k in self.refused_classes:
+            if not last and (k in self.refused_classes or k in self.unloadable):
                 continue
             try:
                 exe = self._load_or_compile(k, cand)
+            except _entries.HostRefused:
+                raise  # this host cannot use or build it: another candidate would fare no better here
             except (CompileRefused, CacheMissError) as e:
                 if last:
                     raise
@@ -147,6 +156,8 @@ class Resolver:
         cache = self.cache
         for cand, k in zip(candidates, keys):
             exe = self.by_digest.get(k)
+            if exe is None and k in self.unloadable:
+                continue
             if exe is None and cache is not None:
                 entry = cache.get_local(k)
                 if entry is None or _entries.stale_refusal(entry):
@@ -158,10 +169,7 @@ class Resolver:
                     with self.lock:
                         self.refused_classes[k] = str(entry.header[_entries.REFUSED])
                     continue
-                try:
-                    exe = self.remember(k, cand, self.load_entry(k, entry))
-                except Exception:  # noqa: BLE001 - the compile path below handles (and counts) it
-                    continue
+                exe = self.remember(k, cand, self.load_entry(k, entry))  # HostRefused: the op runs on the host
             if exe is not None:
                 return exe, k
         return None
@@ -176,9 +184,12 @@ class Resolver:
         cache = self.cache
         assert cache is not None
         candidates = self.candidates(sig)
-        self.note(digest, candidates)
+        self.note(digest, sig)
         for i, cand in enumerate(candidates):
             k = digest if cand is sig else self.key(cand)
+            last = i + 1 == len(candidates)
+            if not last and (k in self.refused_classes or k in self.unloadable):
+                continue
             exe = self.by_digest.get(k)
             if exe is None:
                 entry = cache.get_local(k)
@@ -186,24 +197,13 @@ class Resolver:
                     continue
                 if entry.header.get(_entries.REFUSED):
                     self.used(k, entry, refusal=True)
-                    if i + 1 < len(candidates):
+                    if not last:
                         continue  # e.g. this class has no generic kernel: the next candidate
                     raise CompileRefused(str(entry.header[_entries.REFUSED]))
-                try:
-                    exe = self.load_entry(k, entry)
-                except CompileRefused:
-                    raise
-                except Exception as e:  # noqa: BLE001 - verified bytes that do not load: never run them
-                    self.count("corrupt")
-                    warnings.warn(f"neuron: cached executable {k} for {sig['op']} does not load here "
-                                  f"({type(e).__name__}: {e}); recompiling it in the background",
-                                  UserWarning, stacklevel=2)
-                    if cache.writable:
-                        cache.local.delete(k)
-                    break
-                exe = self.remember(k, cand, exe)
+                # HostRefused (this host cannot use it): the op runs on the host, nothing is deleted.
+                exe = self.remember(k, cand, self.load_entry(k, entry))
             if k != digest:
-                self.link(digest, k)
+                self.link(digest, k, sig)
             return exe, digest
         # A signature met once only (a decode step's KV length, a warm-up shape) is not worth a compile:
         # it is compiled from its `compile_after`-th request on (docs/background.md: the measurement).
@@ -212,7 +212,7 @@ class Resolver:
         if seen == 1:
             self.count("misses")
         if seen >= self.cfg.compile_after:
-            bg.request(digest, sig, candidates)
+            bg.request(digest, sig, self.live_candidates(sig))
         return None, digest
 
     def candidates(self, sig: dict[str, Any]) -> list[dict[str, Any]]:
@@ -223,10 +223,39 @@ class Resolver:
             return [sig]
         return [*_shapes.classes(sig), sig]
 
+    def allowed(self, sig: dict[str, Any]) -> list[str]:
+        """The keys whose executables may serve `sig`: its classes' and its own (`candidates`), derived
+        here from `sig` itself. The one rule every link obeys (module docstring)."""
+        return [self.key(c) for c in self.candidates(sig)]
+
+    def live_candidates(self, sig: dict[str, Any]) -> list[dict[str, Any]]:
+        """`candidates` less the classes known to have no executable here (refused, or not loadable on
+        this host); the exact signature always stays."""
+        cands = self.candidates(sig)
+        skip = self.refused_classes.keys() | self.unloadable.keys()
+        return [c for c in cands[:-1] if self.key(c) not in skip] + cands[-1:]
+
     def load_entry(self, key: str, entry: Any) -> Executable:
-        """A verified entry's executable (raises CompileRefused for a refusal entry)."""
+        """A verified entry's executable. Raises CompileRefused for a refusal entry, and `HostRefused`
+        (the op runs on the host here; no tier is touched) for one this host cannot use: its header
+        names a signature that is not its key's (under this runtime's fingerprint), or its payload does
+        not load here (a CPU below the target, no file descriptors, ...). Only a digest or HMAC failure,
+        found by the tiers before this, proves an entry bad and gets it quarantined and recompiled."""
         _entries.check(self.used(key, entry, refusal=True))
-        exe = self._load(key, entry)
+        sig = entry.header.get("signature")
+        try:
+            ok = isinstance(sig, dict) and self.key(sig) == key
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise self._unloadable(key, str(sig.get("op") if isinstance(sig, dict) else "?"),
+                                   "its header names another signature than its key's")
+        try:
+            exe = self._load(key, entry)
+        except CompileRefused:
+            raise
+        except Exception as e:  # noqa: BLE001 - verified bytes that do not load here: never run them
+            raise self._unloadable(key, str(sig.get("op")), f"{type(e).__name__}: {str(e)[:300]}") from e
         self.count("loads")
         return exe
 
@@ -244,6 +273,19 @@ class Resolver:
             _megacache.record(key, entry, self.cfg.signing_key)
         return entry
 
+    def _unloadable(self, key: str, op: str, why: str) -> _entries.HostRefused:
+        """Remember (for this process) that `key` cannot be used here; the error to raise."""
+        with self.lock:
+            self.unloadable[key] = why
+            first = len(self.unloadable) == 1
+        self.count("unloadable")
+        # One warning per process (the op's own fallback warning names each op); the rest at debug level.
+        (log.warning if first else log.debug)(
+            "neuron: cached executable %s for %s cannot be used on this host (%s); its op runs on the host "
+            "and the cached entry is left as it is (stats()['unloadable'] counts such keys)", key, op, why)
+        return _entries.HostRefused(f"{op}: cached executable {key[:16]} cannot be used on this host ({why}); "
+                                    "it runs on the host, the cache is left as it is")
+
     def has(self, key: str) -> bool:
         return key in self.by_digest or self.classes.get(key) in self.by_digest
 
@@ -256,21 +298,29 @@ class Resolver:
                 exe = self.by_digest.get(k)
         return exe
 
-    def link(self, digest: str, class_key: str) -> None:
-        """Exact key `digest` is served by the executable of shape class `class_key` (memory tier).
+    def link(self, digest: str, class_key: str, sig: dict[str, Any]) -> bool:
+        """Exact key `digest` (of `sig`) is served by the executable of shape class `class_key` (memory
+        tier), if `class_key` is one `sig` may use (`allowed`); False (and nothing linked) otherwise.
         Links count towards TORCH_NEURONX_MEMORY_CACHE_ENTRIES like executables do: each is an entry of
         a kernel's hit-path table."""
+        allowed = self.allowed(sig)
+        if allowed[-1] != digest or class_key not in allowed:
+            self.count("links_refused")
+            log.warning("neuron: refused to serve key %s (%s) with executable %s: not one of its own candidates",
+                        digest, sig.get("op"), class_key)
+            return False
         with self.lock:
             if len(self.by_digest) + len(self.classes) >= self.cfg.memory_cache_entries:
                 self._evict()
             self.classes[digest] = class_key
         self.count("class_hits")  # a new shape of a known class: no compile
+        return True
 
-    def note(self, digest: str, candidates: list[dict[str, Any]]) -> None:
-        """A key this process uses (its job's manifest records it; background mode only)."""
+    def note(self, digest: str, sig: dict[str, Any]) -> None:
+        """A key this process uses, with its exact signature (its job's manifest records it)."""
         bg = self._background
         if bg is not None:
-            bg.note(digest, candidates)
+            bg.note(digest, sig)
 
     @property
     def background(self) -> Any:
@@ -293,6 +343,9 @@ class Resolver:
             bg.close()
 
     def remember(self, digest: str, sig: dict[str, Any], exe: Executable) -> Executable:
+        """Keep `exe`, the executable of `sig`, under its key `digest` (which must be `sig`'s)."""
+        if self.key(sig) != digest:
+            raise ValueError(f"executable of {sig.get('op')} offered under key {digest}, which is not its key")
         _label(exe, digest, sig)  # before any kernel can see it
         with self.lock:
             known = self.by_digest.get(digest)
@@ -326,6 +379,9 @@ class Resolver:
         return {id(e) for k, e in self.by_digest.items() if k not in self.class_keys}
 
     def _load_or_compile(self, digest: str, sig: dict[str, Any]) -> Executable:
+        why = self.unloadable.get(digest)
+        if why is not None:
+            raise _entries.HostRefused(f"{sig.get('op')}: {why}")
         cache = self.cache
         if cache is None:
             self.count("misses")
@@ -350,25 +406,10 @@ class Resolver:
         if where != "compiled" and _entries.stale_refusal(entry) and self.cfg.cache_mode != "strict":
             # Refused by another neuron-runtime version: this one may compile it.
             entry = self._replace(cache, digest, compile_entry)
-        # A cached refusal: the op runs on the host without asking the compiler.
-        _entries.check(self.used(digest, entry, refusal=True))
-        try:
-            exe = self._load(digest, entry)
-        except CompileRefused:
-            raise
-        except Exception as e:  # noqa: BLE001
-            if where == "compiled":
-                raise
-            # Verified bytes that still do not load (e.g. built for another host): never run them;
-            # drop them and compile here.
-            self.count("corrupt")
-            warnings.warn(f"neuron: cached executable {digest} for {sig['op']} does not load here "
-                          f"({type(e).__name__}: {e}); recompiling", UserWarning, stacklevel=2)
-            fresh = self._replace(cache, digest, compile_entry)
-            _entries.check(fresh)
-            exe = self._load(digest, fresh)
-        self.count("loads")
-        return exe
+        # A cached refusal raises CompileRefused (the op runs on the host without asking the compiler); an
+        # entry this host cannot use raises HostRefused and stays in every tier as it is: other hosts may
+        # load it, and only a digest or HMAC failure proves an entry bad (the tiers quarantine those).
+        return self.load_entry(digest, entry)
 
     def _replace(self, cache: TieredCache, digest: str, compile_entry: Callable[[], bytes]) -> Any:
         entry = _entries.replace(cache, digest, compile_entry)
@@ -389,7 +430,7 @@ class Resolver:
             cache._count(name)
         else:
             with self.lock:
-                self.counts[name] += 1
+                self.counts[name] = self.counts.get(name, 0) + 1
 
     @staticmethod
     def strict_message(digest: str, sig: dict[str, Any]) -> str:

@@ -218,3 +218,65 @@ def test_every_list_mutating_kernel_bumps_before_each_return(fresh_runtime: _dis
         kernel = src.split("\ndef lookup")[0]
         returns = kernel.count("return ")
         assert returns >= 2 and kernel.count("_zIV(") == returns, (q, kernel)
+
+
+# -- writes that partially overlap what the op reads (issue 29) --------------------------------------------
+OVERLAPS = {
+    "add_": "x[0:4].add_(x[2:6])",
+    "mul_": "x[1:5].mul_(x[0:4])",
+    "foreach_add_": "torch._foreach_add_([x[0:4]], [x[2:6]])",
+    "add_out": "torch.add(x[2:6], 1, out=x[0:4])",
+    "add_ disjoint": "x[0:3].add_(x[3:6])",
+    "add_ itself": "x.add_(x)",
+    "add_ strided": "x[::2].add_(x[1::2])",
+    "foreach disjoint": "torch._foreach_add_([x[0:3]], [x[3:6]])",
+}
+
+
+def _cpu_outcome(code: str) -> tuple[str, Any]:
+    x = torch.arange(6.0)
+    try:
+        eval(code)  # noqa: S307 - the test's own expressions
+    except RuntimeError as e:
+        return "raises", str(e)
+    return "ok", x.tolist()
+
+
+OVERLAP_CODE = """
+import json, re, sys, torch, neuron_runtime
+out = {}
+for name, code in json.loads(sys.argv[1]).items():
+    got = []
+    for i in range(3):  # a miss, then hits of the same key (whose executable exists by then)
+        apart = re.sub(r"\\bx\\b", "b", re.sub(r"\\bx\\b", "a", code, count=1))  # the same keys, two tensors
+        eval(apart, {"torch": torch, "a": torch.arange(6.0).to("neuron"), "b": torch.arange(6.0).to("neuron")})
+        x = torch.arange(6.0).to("neuron")
+        try:
+            eval(code, {"torch": torch, "x": x})
+            got.append(["ok", x.cpu().tolist()])
+        except RuntimeError as e:
+            got.append(["raises", str(e)])
+    out[name] = got
+print(json.dumps({"out": out, "executions": neuron_runtime.stats()["executions"]}))
+"""
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_partially_overlapping_writes_raise_as_on_cpu(native: str) -> None:
+    """`x[0:4].add_(x[2:6])` raises CPU's error on neuron too (it used to give [2, 4, 6, 8, 4, 5]), on the
+    native hit path and the Python one, for a key whose executable is loaded; other aliasing computes as
+    on CPU."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", OVERLAP_CODE, json.dumps(OVERLAPS)], capture_output=True, text=True,
+                       timeout=300, env={**__import__("os").environ, "TORCH_NEURONX_NATIVE": native,
+                                         "TORCH_NEURONX_COMPILE_MODE": "sync"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, code in OVERLAPS.items():
+        want = _cpu_outcome(code)
+        for outcome in got["out"][name]:
+            assert tuple(outcome) == want, (name, outcome, want)
+    assert got["executions"] > 10  # the calls without overlap ran executables

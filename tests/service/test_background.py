@@ -19,11 +19,19 @@ JOB = Path(__file__).resolve().parents[1] / "jobs" / "train_background.py"
 HOOKS = Path(__file__).resolve().parent / "hooks"
 
 
+def _tmpdir(tmp: Path) -> Path:
+    """A TMPDIR of the test's own: its compile services (sockets under $TMPDIR/neuron-runtime-<uid>) are
+    never another test's or another session's."""
+    d = tmp / "tmp"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
 def job_env(tmp: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_NEURONX_", "NEURON_TEST_"))}
     env.update(TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(tmp / "local"),
                TORCH_NEURONX_COMPILE_MODE="background", TORCH_NEURONX_COMPILE_IDLE_TIMEOUT="1",
-               TORCH_NEURONX_COMPILE_WORKERS="1", TORCH_NEURONX_PREFETCH="0",
+               TORCH_NEURONX_COMPILE_WORKERS="1", TORCH_NEURONX_PREFETCH="0", TMPDIR=str(_tmpdir(tmp)),
                PYTHONPATH=os.pathsep.join([str(HOOKS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     env.update(extra)
     return env

@@ -23,8 +23,8 @@ def fleet_env(tmp: Path, host: str, **extra: str) -> dict[str, str]:
                    TORCH_NEURONX_JOB=JOB, TORCH_NEURONX_PREFETCH="1", **extra)
 
 
-def manifest_key() -> str:
-    return _manifest.key(JOB, get_compiler("reference").fingerprint())
+def manifest_key(segment: int = 0) -> str:
+    return _manifest.segment_key(JOB, get_compiler("reference").fingerprint(), segment)
 
 
 @pytest.fixture
@@ -65,19 +65,17 @@ def test_bad_manifest_is_never_used_and_the_job_trains_on(tmp_path: Path, warm_f
     elif damage == "forged":
         # Signed with a key the fleet does not trust (every reader has TORCH_NEURONX_CACHE_SIGNING_KEY).
         fp = get_compiler("reference").fingerprint()
-        doc = {"format": _manifest.FORMAT, "job": JOB, "entries": []}
-        _rewrite_manifest(tmp_path, envelope.pack(key, _manifest.header(JOB, fp), _signature.canonical(doc),
-                                                  b"not-the-fleet-key"))
+        _rewrite_manifest(tmp_path, envelope.pack(key, _manifest.header(JOB, fp, 0, "forger"),
+                                                  _manifest.payload(JOB, 0, []), b"not-the-fleet-key"))
         extra["TORCH_NEURONX_CACHE_SIGNING_KEY"] = "the-fleet-key"
     else:
         # Verifies, but names signatures this runtime keys differently or does not know.
         fp = get_compiler("reference").fingerprint()
         unknown = {"op": "aten::no_such_op", "schema": "?", "args": []}
-        doc = {"format": _manifest.FORMAT, "job": JOB, "entries": [
-            {"key": "0" * 64, "signatures": [unknown]},
-            {"key": _signature.cache_key(unknown, fp), "signatures": [unknown]},
-            {"key": "1" * 64, "signatures": "not a list"}]}
-        _rewrite_manifest(tmp_path, envelope.pack(key, _manifest.header(JOB, fp), _signature.canonical(doc), None))
+        sigs = [unknown, {"op": "aten::add.Tensor", "schema": "not its schema", "args": []}, "not a signature", [1]]
+        _rewrite_manifest(tmp_path, envelope.pack(key, _manifest.header(JOB, fp, 0, "other"),
+                                                  _signature.canonical({"format": _manifest.FORMAT, "job": JOB,
+                                                                        "segment": 0, "signatures": sigs}), None))
     r, err = run_job(tmp_path, "fresh", fleet_env(tmp_path, "host-b", JOB_STEPS="2", JOB_WAIT="120", **extra))
     assert r["losses"] == pytest.approx(warm_fleet["losses"], rel=1e-6)
     assert r["host_runs"][-1] == 0 and r["stats"]["fallback_ops"] == []

@@ -4,6 +4,7 @@ that floods without a newline is cut off alone, and the service removes its sock
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -55,13 +56,23 @@ class Client:
         self.sock.close()
 
 
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    path = os.path.join(_client.service_dir(), f"test-{os.getpid()}-{tmp_path.name}.sock")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
-    env.update(TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(tmp_path / "local"))
+HOOKS = Path(__file__).resolve().parent / "hooks"
+
+
+def service_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_NEURONX_", "NEURON_TEST_"))}
+    env.update(TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(tmp_path / "local"),
+               PYTHONPATH=os.pathsep.join([str(HOOKS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep), **extra)
+    return env
+
+
+@contextlib.contextmanager
+def start_service(tmp_path: Path, **extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """A real service (reference workers) on a socket of its own in this user's service directory."""
+    d = _client.service_dir()
+    path = os.path.join(getattr(d, "path", d), f"test-{os.getpid()}-{tmp_path.name}.sock")
     proc = subprocess.Popen([sys.executable, _client.SERVER, "--socket", path, "--workers", "1",
-                             "--idle-timeout", "2", "--timeout", "120"], env=env, text=True,
+                             "--idle-timeout", "2", "--timeout", "120"], env=service_env(tmp_path, **extra), text=True,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
     while not os.path.exists(path):
@@ -75,10 +86,20 @@ def service(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
         proc.communicate()
 
 
-def add_signature(n: int) -> tuple[str, dict[str, Any]]:
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    with start_service(tmp_path) as got:
+        yield got
+
+
+def add_signature(n: int, op: str = "aten::add.Tensor") -> tuple[str, dict[str, Any]]:
     x = torch.zeros(n)
-    sig = _signature.build(_ops.classify("aten::add.Tensor"), (x, x, 1))
+    sig = _signature.build(_ops.classify(op), (x, x, 1) if op == "aten::add.Tensor" else (x, x))
     return _signature.cache_key(sig, get_compiler("reference").fingerprint()), sig
+
+
+def compile_request(key: str, sig: dict[str, Any]) -> dict[str, Any]:
+    return {"op": "compile", "key": key, "payload": {"signatures": [sig], "key": key}, "priority": 0}
 
 
 def test_bad_lines_get_an_error_and_the_connection_goes_on(service: tuple[str, subprocess.Popen[str]]) -> None:
@@ -149,3 +170,96 @@ def test_idle_service_exits_and_removes_its_socket(service: tuple[str, subproces
     c.close()
     assert proc.wait(timeout=60) == 0  # 2 s idle timeout once the last client left
     assert not os.path.exists(path)
+
+
+# -- issue 29: the service survives its clients ------------------------------------------------------------
+def test_malformed_compiles_are_answered_and_compiles_go_on(service: tuple[str, subprocess.Popen[str]]) -> None:
+    path, proc = service
+    key, sig = add_signature(7)
+    c = Client(path)
+    bad = [{"signatures": []}, {"signatures": "x"}, {"signatures": [1, 2]}, {}, {"signatures": [sig] * 9},
+           {"signatures": [sig], "key": "f" * 64}]
+    for payload in bad + bad:  # each twice: two dead workers used to break the service for good
+        c.ask({"op": "compile", "key": key, "payload": payload})
+        m = c.read()
+        assert m is not None and m["op"] == "error" and m["reason"], payload
+    for raw in (b"[" * 200000 + b"\n", b'{"op": ["compile"]}\n', b'{"op": "compile", "key": "' + b"a" * 64 + b'"}\n'):
+        c.send(raw)
+        m = c.read()
+        assert m is not None and m["op"] == "error", raw[:40]
+    c.ask(compile_request(key, sig))
+    assert c.until_done(key)["status"] == "compiled" and proc.poll() is None
+    c.close()
+
+
+def test_a_signature_that_kills_workers_is_refused_alone(tmp_path: Path) -> None:
+    with start_service(tmp_path, NEURON_TEST_COMPILE_CRASH="aten::mul") as (path, proc):
+        c = Client(path)
+        mul, mul_sig = add_signature(5, "aten::mul.Tensor")
+        c.ask(compile_request(mul, mul_sig))
+        first = c.until_done(mul)
+        assert first["status"] == "failed" and "killed 2 compile workers" in first["reason"]
+        t0 = time.monotonic()
+        c.ask(compile_request(mul, mul_sig))  # asked again: refused at once, no worker dies for it
+        assert c.until_done(mul)["status"] == "failed" and time.monotonic() - t0 < 5
+        for n in (5, 6):  # every other signature compiles as before
+            key, sig = add_signature(n)
+            c.ask(compile_request(key, sig))
+            m = c.until_done(key)
+            assert m["status"] == "compiled", m
+        c.close()
+        assert proc.poll() is None
+
+
+def test_workers_that_cannot_start_back_off_and_recover(tmp_path: Path) -> None:
+    flag = tmp_path / "no-workers"
+    flag.touch()
+    with start_service(tmp_path, NEURON_TEST_WORKER_START_FAIL=str(flag)) as (path, proc):
+        c = Client(path)
+        key, sig = add_signature(5)
+        c.ask(compile_request(key, sig))
+        m = c.until_done(key)
+        assert m["status"] == "failed" and "cannot start" in m["reason"] and m["retry_after"] > 0
+        flag.unlink()  # the environment is fixed (memory freed, a package reinstalled, ...)
+        time.sleep(m["retry_after"] + 0.2)
+        c.ask(compile_request(key, sig))
+        assert c.until_done(key)["status"] == "compiled"
+        c.close()
+
+
+def test_huge_tensor_sizes_are_refused_before_any_example_is_made(service: tuple[str, subprocess.Popen[str]]) -> None:
+    path, proc = service
+    _, sig = add_signature(5)
+    huge = json.loads(json.dumps(sig))
+    for a in huge["args"]:
+        if isinstance(a[2], dict) and "sizes" in a[2]:
+            a[2]["sizes"] = [1 << 45]
+    key = _signature.cache_key(huge, get_compiler("reference").fingerprint())
+    c = Client(path)
+    c.ask(compile_request(key, huge))
+    m = c.until_done(key)
+    assert m["status"] == "failed" and "bytes" in m["reason"]
+    key, sig = add_signature(6)
+    c.ask(compile_request(key, sig))
+    assert c.until_done(key)["status"] == "compiled" and proc.poll() is None
+    c.close()
+
+
+def test_the_worker_answers_every_line_and_lives(tmp_path: Path) -> None:
+    key, sig = add_signature(5)
+    proc = subprocess.Popen([sys.executable, "-m", "neuron_runtime.executables._service._worker"],
+                            env=service_env(tmp_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert "ready" in proc.stdout.readline()
+        lines = ["not json", "[]", '{"i": 1}', '{"i": 2, "signatures": []}', '{"i": 3, "signatures": [1]}',
+                 "[" * 200000, json.dumps({"i": 4, "signatures": [{"op": "aten::add.Tensor"}]}),
+                 json.dumps({"i": 5, "signature": sig, "key": "0" * 64}), json.dumps({"i": 6, "signatures": [sig]})]
+        for line in lines:
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+            answer = json.loads(proc.stdout.readline())
+            assert answer["status"] == ("compiled" if line.startswith('{"i": 6') else "failed"), (line[:40], answer)
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0

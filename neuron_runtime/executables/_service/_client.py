@@ -6,17 +6,31 @@ service if none answers (under a lock file, so concurrent processes start one), 
 every job not yet answered (again after a reconnect: a service that idled out or died loses nothing a
 client still waits for), and (4) hands each answer to `on_message` (from that thread). When the service
 cannot be started (three attempts in a row), every outstanding job is answered `unavailable` with the
-reason, once, and the client stays broken: its owner compiles some other way.
+reason, once, and the client stays broken: its owner compiles some other way. A "busy" answer (the
+service's queue is full) is asked again 5 s later by the same thread: no thread per answer.
+
+What the service answers is input: a line that is not a JSON object, or longer than `MAX_ANSWER`, is
+dropped (the latter with the connection); whether an answer's entry may serve a key is the owner's
+check (`_background`).
+
+The socket directory (`service_dir`) is opened once, without following links, and checked (a directory
+owned by this user, mode 0o700) on the open descriptor; sockets, lock and log files are reached through
+that descriptor (`/proc/self/fd/N/<name>`), so the directory's path is never resolved again.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import socket
+import stat
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -26,17 +40,93 @@ log = logging.getLogger(__name__)
 
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_server.py")
 
+#: The longest answer line a client reads (an inline entry is a few MiB at most).
+MAX_ANSWER = 64 << 20
+BUSY_RETRY_S = 5.0
+_SALT = ".salt"
 
-def service_dir() -> str:
-    """This user's private directory of compile-service sockets (`/tmp/neuron-runtime-<uid>`, 0o700).
-    Raises OSError if it exists but is not private to this user."""
-    d = os.path.join("/tmp", f"neuron-runtime-{os.getuid()}")
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.stat(d)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise OSError(f"{d} is not a private directory of this user's (owner {st.st_uid}, mode "
-                      f"{oct(st.st_mode & 0o777)}); refusing to use a compile service there")
-    return d
+
+class ServiceDir:
+    """A private directory of this user's, opened once (`O_NOFOLLOW`: a symlink is refused) and checked
+    on the open descriptor: a directory, owned by this user, no access for group or others. `at(name)`
+    is a path to `name` inside it that goes through the descriptor, never through `path` again.
+    Raises OSError naming what is wrong."""
+
+    def __init__(self, path: str, create: bool = True) -> None:
+        self.path = path
+        if create:
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise OSError(f"{path} is not a directory of this user's ({e.strerror}; a symbolic link is refused); "
+                          "refusing to use a compile service there") from e
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            os.close(fd)
+            raise OSError(f"{path} is not a private directory of this user's (owner {st.st_uid}, mode "
+                          f"{oct(stat.S_IMODE(st.st_mode))}); refusing to use a compile service there")
+        self.fd = fd
+        self._via = f"/proc/self/fd/{fd}" if os.path.isdir(f"/proc/self/fd/{fd}") else path
+
+    def at(self, name: str) -> str:
+        """A path to `name` in this directory through the checked descriptor."""
+        return os.path.join(self._via, name)
+
+    def names(self) -> list[str]:
+        return sorted(os.listdir(self.fd))
+
+    def salt(self) -> bytes:
+        """This user's random salt (32 bytes, made once, 0o600): socket names are keyed with it, so a
+        name reveals nothing about the configuration it stands for (signing key, credentials)."""
+        for _ in range(5):
+            try:
+                fd = os.open(_SALT, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+            except FileNotFoundError:
+                tmp = f".salt-{os.getpid()}-{secrets.token_hex(4)}"
+                w = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                            dir_fd=self.fd)
+                try:
+                    os.write(w, secrets.token_bytes(32))
+                finally:
+                    os.close(w)
+                try:  # link(2) never replaces: the first process's salt is everyone's
+                    os.link(tmp, _SALT, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+                except FileExistsError:
+                    pass
+                finally:
+                    os.unlink(tmp, dir_fd=self.fd)
+                continue
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                data = f.read(64)
+            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077 or len(data) != 32:
+                raise OSError(f"{os.path.join(self.path, _SALT)} is not this user's private 32-byte salt")
+            return data
+        raise OSError(f"cannot make {os.path.join(self.path, _SALT)}")
+
+    def name(self, identity: dict[str, Any]) -> str:
+        """The socket name of a configuration: an HMAC of it under this directory's salt."""
+        doc = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
+        return hmac.new(self.salt(), doc, hashlib.sha256).hexdigest()[:24] + ".sock"
+
+
+_dirs: dict[tuple[int, str], ServiceDir] = {}
+_dirs_lock = threading.Lock()
+
+
+def service_dir() -> ServiceDir:
+    """This user's private directory of compile-service sockets: `$TMPDIR/neuron-runtime-<uid>` (TMPDIR
+    as `tempfile` reads it; usually `/tmp`), opened and checked once per process (`ServiceDir`)."""
+    path = os.path.join(tempfile.gettempdir(), f"neuron-runtime-{os.getuid()}")
+    with _dirs_lock:
+        d = _dirs.get((os.getpid(), path))
+        if d is None:
+            d = _dirs[(os.getpid(), path)] = ServiceDir(path)
+        return d
 
 
 def ask(socket_path: str, msgs: list[dict[str, Any]], timeout: float = 5.0) -> list[dict[str, Any]]:
@@ -69,6 +159,7 @@ class ServiceClient:
         self.wake = threading.Event()
         self.outstanding: dict[str, tuple[dict[str, Any], int]] = {}  # key -> (payload, priority)
         self.unsent: list[str] = []
+        self.retry: dict[str, float] = {}  # key -> when to ask again (the service said busy)
         self.sock: socket.socket | None = None
         self.broken: str | None = None
         self.closed = False
@@ -94,6 +185,11 @@ class ServiceClient:
             except OSError:
                 self.unsent.append(key)
                 self.wake.set()
+
+    def pending(self) -> int:
+        """Jobs asked for and not answered yet."""
+        with self.lock:
+            return len(self.outstanding)
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Disconnect once every job asked for was sent (up to `flush_timeout` s, the service's start
@@ -171,6 +267,9 @@ class ServiceClient:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     self._dispatch(line)
+                if len(buf) > MAX_ANSWER:
+                    log.warning("compile service sent more than %d bytes without a newline; reconnecting", MAX_ANSWER)
+                    break
         except OSError as e:
             log.debug("compile service connection lost: %s", e)
         finally:
@@ -186,6 +285,11 @@ class ServiceClient:
         # Under the lock: `submit` writes to the same socket from the op's thread.
         with self.lock:
             keys, self.unsent = self.unsent, []
+            if self.retry:
+                now = time.monotonic()
+                for key in [k for k, due in self.retry.items() if due <= now]:
+                    del self.retry[key]
+                    keys.append(key)
             for key in dict.fromkeys(keys):
                 if key in self.outstanding:
                     payload, priority = self.outstanding[key]
@@ -194,30 +298,31 @@ class ServiceClient:
     def _dispatch(self, line: bytes) -> None:
         try:
             msg = json.loads(line)
-        except ValueError:
-            log.warning("compile service sent a line that is not JSON: %r", line[:200])
+        except (ValueError, RecursionError):
+            msg = None
+        if not isinstance(msg, dict) or not isinstance(msg.get("key", ""), str):
+            log.warning("compile service sent a line that is not an answer: %r", line[:200])
             return
         op = msg.get("op")
         if op == "hello":
-            self.service_pid = msg.get("pid")
+            pid = msg.get("pid")
+            self.service_pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
             return
         if op == "done":
             with self.lock:
+                key = msg.get("key")
+                if key not in self.outstanding:
+                    return  # nothing we asked for (or answered already)
                 if msg.get("status") == "busy":
                     # The service's queue is full: ask again in a while (the op runs on the host meanwhile).
-                    threading.Timer(5.0, self._resend, args=(msg.get("key"),)).start()
+                    self.retry[str(key)] = time.monotonic() + BUSY_RETRY_S
                     return
-                self.outstanding.pop(msg.get("key"), None)
+                self.outstanding.pop(key, None)
         if op in ("done", "started"):
             try:
                 self.on_message(msg)
             except Exception:  # noqa: BLE001 - the owner's bug must not kill the connection
                 log.exception("compile service answer handler failed for %s", msg.get("key"))
-
-    def _resend(self, key: Any) -> None:
-        with self.lock:
-            if key in self.outstanding:
-                self.unsent.append(key)
 
     # -- connecting, starting ------------------------------------------------------------------------
     def _try_connect(self) -> socket.socket | None:
@@ -234,7 +339,7 @@ class ServiceClient:
         if s is not None:
             return s
         lock_path = self.socket_path[: -len(".sock")] + ".lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             deadline = time.monotonic() + self.start_timeout
             while True:
@@ -255,7 +360,8 @@ class ServiceClient:
 
     def _start(self, deadline: float) -> socket.socket:
         log_path = self.socket_path[: -len(".sock")] + ".log"
-        with open(log_path, "ab") as log_file:
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "ab") as log_file:
             proc = subprocess.Popen(self.server_argv, env=self.env, stdin=subprocess.DEVNULL,
                                     stdout=log_file, stderr=log_file, start_new_session=True, close_fds=True)
         self.spawned = [p for p in self.spawned if p.poll() is None] + [proc]

@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,11 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
+try:
+    from ._client import ServiceDir
+except ImportError:  # started by path (`python .../_server.py`): its directory is sys.path[0]
+    from _client import ServiceDir  # type: ignore[no-redef]
+
 log = logging.getLogger("neuron_runtime.executables._service")
 
 PROTOCOL = 1
@@ -37,8 +43,15 @@ PROTOCOL = 1
 #: The longest line a client may send (a compile request is a few kB): a client that sends more without a
 #: newline is told so and disconnected, instead of growing the service's memory without bound.
 MAX_LINE = 1 << 22
+MAX_CLIENTS = 256       # connections at once (each has a reader thread); more are told so and closed
+MAX_CANDIDATES = 8      # signatures in one compile request (a shape class or two, then the exact one)
+SEND_TIMEOUT_S = 10.0   # a client that reads nothing for this long while we answer it is disconnected
+KEY_CHARS = frozenset("0123456789abcdef")
 
 START_TIMEOUT_S = 300.0  # a worker that is not ready by then is killed (and counts as dead on arrival)
+BACKOFF_S = (0.5, 60.0)  # after a worker fails to start: the first pause, the longest (doubling between)
+KILLS_TO_REFUSE = 2      # a key whose compile killed this many workers is refused (the others go on)
+MAX_REFUSED_KEYS = 4096  # such keys remembered (oldest forgotten first)
 
 #: What a worker's answer may say (see `_worker.py`); everything else is reported as "failed".
 STATUSES = ("compiled", "present", "refused", "failed")
@@ -55,8 +68,13 @@ class WorkerPool:
     called from the slot threads with kind "started" (a worker took the task) and "done" (its answer, or
     a "failed" answer saying why). A worker that dies or runs past `timeout` is killed with its process
     group (the C++ compiler's processes too) and replaced; its task is tried again up to `retries`
-    times, then reported failed with the reason and the tail of the worker's log. Two workers in a row
-    that die before answering anything mean workers cannot start here: every later task fails fast."""
+    times, then reported failed with the reason and the tail of the worker's log. A key whose compiles
+    killed `KILLS_TO_REFUSE` workers is answered "failed" at once from then on (it alone: a signature
+    that crashes the compiler, or needs more memory than the host has). A worker that dies before it is
+    ready means workers cannot start right now (a broken environment, no memory): the pool backs off
+    (`BACKOFF_S`, doubling) before it starts another, answers tasks meanwhile "failed" with
+    `retry_after` (their clients ask again later), and is back to normal with the next worker that
+    starts. Nothing here is permanent."""
 
     def __init__(self, n: int, argv: list[str], env: dict[str, str], timeout: float | None,
                  next_task: Callable[[], tuple[Any, dict[str, Any]] | None],
@@ -73,7 +91,11 @@ class WorkerPool:
         self.started = 0
         self.busy = 0
         self.closing = False
-        self.broken: str | None = None
+        self.down_until = 0.0          # no worker is started before this (monotonic time)
+        self.down_why = ""
+        self.start_failures = 0        # workers in a row that died before they were ready
+        self.kills: dict[Any, int] = {}           # key -> workers its compiles killed
+        self.refused: dict[Any, str] = {}         # key -> why it is refused at once (bounded)
         self.logs = tempfile.mkdtemp(prefix="neuron-compile-workers-")
         self.threads = [threading.Thread(target=self._slot, args=(s,), name=f"neuron-compile-slot-{s}",
                                          daemon=True) for s in range(n)]
@@ -81,9 +103,9 @@ class WorkerPool:
             t.start()
 
     # -- one slot ----------------------------------------------------------------------------------
-    def _start(self, slot: int) -> tuple[subprocess.Popen[str], IO[str]]:
+    def _start(self, slot: int) -> tuple[subprocess.Popen[str], IO[str]] | None:
         """A new worker, once it said it is ready (imports take seconds; they count against no task's
-        timeout). A worker that dies first is returned all the same: its first task finds out."""
+        timeout); None if it died (or timed out) before that, after starting the back-off."""
         with self.lock:
             self.started += 1
             n = self.started
@@ -97,12 +119,35 @@ class WorkerPool:
         timer = threading.Timer(START_TIMEOUT_S, self._kill, args=(proc,))
         timer.start()
         try:
-            proc.stdout.readline()  # {"ready": pid}, or "" if it died
+            ready = proc.stdout.readline()  # {"ready": pid}, or "" if it died
         except (OSError, ValueError):
-            pass
+            ready = ""
         finally:
             timer.cancel()
-        return proc, log_file
+        if '"ready"' in ready:
+            with self.lock:
+                self.start_failures = 0
+                self.down_until = 0.0
+            return proc, log_file
+        self._kill(proc)
+        rc = proc.wait()
+        tail = self._tail(log_file)
+        log_file.close()
+        with self.lock:
+            self.procs.discard(proc)
+            self.start_failures += 1
+            pause = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (self.start_failures - 1))
+            self.down_until = time.monotonic() + pause
+            self.down_why = f"compile workers cannot start (exit status {rc}{'; worker log: ' + tail if tail else ''})"
+        log.warning("%s; starting another in %.1f s", self.down_why, pause)
+        return None
+
+    def _refuse(self, key: Any, why: str) -> None:
+        with self.lock:
+            self.refused[key] = why
+            while len(self.refused) > MAX_REFUSED_KEYS:
+                self.refused.pop(next(iter(self.refused)))
+            self.kills.pop(key, None)
 
     @staticmethod
     def _tail(log_file: IO[str], n: int = 5) -> str:
@@ -142,16 +187,15 @@ class WorkerPool:
     def _slot(self, slot: int) -> None:
         proc: subprocess.Popen[str] | None = None
         log_file: IO[str] | None = None
-        answered = 0         # by the current worker
-        dead_on_arrival = 0  # consecutive workers of this slot that died before their first answer
         try:
             while True:
                 task = self.next_task()
                 if task is None:
                     break
                 task_id, payload = task
-                if self.broken is not None:
-                    self.on_event("done", task_id, {"i": task_id, "status": "failed", "reason": self.broken})
+                refused = self.refused.get(task_id)
+                if refused is not None:
+                    self.on_event("done", task_id, {"i": task_id, "status": "failed", "reason": refused})
                     continue
                 with self.lock:
                     self.busy += 1
@@ -160,8 +204,15 @@ class WorkerPool:
                 t0 = time.monotonic()
                 while answer is None:
                     if proc is None:
-                        proc, log_file = self._start(slot)
-                        answered = 0
+                        wait = self.down_until - time.monotonic()
+                        if wait > 0:  # backing off: the client asks again later
+                            answer = {"i": task_id, "status": "failed", "reason": self.down_why,
+                                      "retry_after": round(wait, 1)}
+                            break
+                        started = self._start(slot)
+                        if started is None:
+                            continue  # now backing off: answered just above
+                        proc, log_file = started
                     assert log_file is not None
                     line, timed_out = self._ask(proc, task_id, payload)
                     try:
@@ -169,8 +220,6 @@ class WorkerPool:
                     except ValueError:
                         answer = None
                     if isinstance(answer, dict):
-                        answered += 1
-                        dead_on_arrival = 0
                         break
                     answer = None
                     rc = proc.wait()
@@ -181,17 +230,22 @@ class WorkerPool:
                     log_file.close()
                     with self.lock:
                         self.procs.discard(proc)
+                        kills = self.kills[task_id] = self.kills.get(task_id, 0) + (not timed_out)
+                        while len(self.kills) > MAX_REFUSED_KEYS:
+                            self.kills.pop(next(iter(self.kills)))
                     proc, log_file = None, None  # a fresh worker for the retry or the next task
-                    dead_on_arrival = dead_on_arrival + 1 if answered == 0 and not timed_out else 0
-                    if dead_on_arrival >= 2:
-                        self.broken = f"compile workers cannot start ({why})"
                     attempt += 1
-                    if attempt > self.retries or self.broken is not None or self.closing:
+                    if kills >= KILLS_TO_REFUSE:
+                        why = f"its compile killed {kills} compile workers; refused ({why})"
+                        self._refuse(task_id, why)
+                    if attempt > self.retries or kills >= KILLS_TO_REFUSE or self.closing:
                         tried = f" (tried {attempt} times)" if attempt > 1 else ""
                         answer = {"i": task_id, "status": "failed", "reason": why + tried,
                                   "seconds": round(time.monotonic() - t0, 3)}
                 with self.lock:
                     self.busy -= 1
+                    if answer.get("status") != "failed":
+                        self.kills.pop(task_id, None)
                 self.on_event("done", task_id, answer)
         finally:
             if proc is not None:
@@ -257,6 +311,8 @@ class _Conn:
         self.pid: int | None = None
 
     def send(self, msg: dict[str, Any]) -> None:
+        """Write one answer; a client that does not read it within SEND_TIMEOUT_S (the socket's send
+        timeout) is disconnected, so it can never hold a worker slot that answers it."""
         if not self.alive:
             return
         data = (json.dumps(msg) + "\n").encode()
@@ -265,6 +321,10 @@ class _Conn:
                 self.sock.sendall(data)
         except OSError:
             self.alive = False
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def serve(self) -> None:
         buf = b""
@@ -301,6 +361,10 @@ class Server:
 
     def __init__(self, socket_path: str, workers: int, worker_argv: list[str], env: dict[str, str],
                  timeout: float | None, idle_timeout: float, max_queue: int, grace: float = 30.0) -> None:
+        # The socket's directory is checked as the client checks it (a private directory of this user's,
+        # no link followed), and the socket is bound and removed through that open directory.
+        self.dir = ServiceDir(os.path.dirname(os.path.abspath(socket_path)), create=False)
+        self.name = os.path.basename(socket_path)
         self.socket_path = socket_path
         self.idle_timeout = idle_timeout
         self.max_queue = max_queue
@@ -360,12 +424,15 @@ class Server:
     def handle(self, conn: _Conn, line: bytes) -> None:
         try:
             msg = json.loads(line)
-            op = msg["op"]
-        except (ValueError, KeyError, TypeError):
+            op = msg["op"] if isinstance(msg, dict) else None
+        except (ValueError, KeyError, TypeError, RecursionError):
+            op = None
+        if not isinstance(op, str):
             conn.send({"op": "error", "reason": "not a JSON object with an 'op'"})
             return
         if op == "hello":
-            conn.pid = msg.get("pid")
+            pid = msg.get("pid")
+            conn.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
             conn.send({"op": "hello", "protocol": PROTOCOL, "pid": os.getpid(), "workers": self.pool.n})
         elif op == "compile":
             self._compile(conn, msg)
@@ -376,13 +443,32 @@ class Server:
                          "clients": len(self.conns), "workers": self.pool.n, "counts": dict(self.counts)}
             conn.send(state)
         else:
-            conn.send({"op": "error", "reason": f"unknown op {op!r}"})
+            conn.send({"op": "error", "reason": f"unknown op {op[:64]!r}"})
+
+    @staticmethod
+    def check_compile(msg: dict[str, Any]) -> tuple[str, dict[str, Any], int]:
+        """(key, payload for the worker, priority) of a compile request, or ValueError saying what is wrong.
+        The worker gets only what it needs, rebuilt here: `signatures` (1 to MAX_CANDIDATES objects) and
+        `key`; nothing else a client sent reaches it."""
+        key, payload = msg.get("key"), msg.get("payload")
+        if not (isinstance(key, str) and len(key) == 64 and set(key) <= KEY_CHARS):
+            raise ValueError("compile needs a 'key' of 64 lowercase hex characters")
+        if not isinstance(payload, dict):
+            raise ValueError("compile needs a 'payload' object")
+        sigs = payload.get("signatures")
+        if not (isinstance(sigs, list) and 0 < len(sigs) <= MAX_CANDIDATES
+                and all(isinstance(s, dict) and isinstance(s.get("op"), str) for s in sigs)):
+            raise ValueError(f"a compile payload needs 'signatures': 1 to {MAX_CANDIDATES} objects with an 'op'")
+        if payload.get("key", key) != key:
+            raise ValueError("the payload's 'key' is not the request's")
+        priority = msg.get("priority", 0)
+        return key, {"signatures": sigs, "key": key}, 0 if priority == 0 or isinstance(priority, bool) else 1
 
     def _compile(self, conn: _Conn, msg: dict[str, Any]) -> None:
-        key, payload = msg.get("key"), msg.get("payload")
-        priority = 0 if msg.get("priority", 0) == 0 else 1
-        if not isinstance(key, str) or not isinstance(payload, dict):
-            conn.send({"op": "error", "reason": "compile needs a 'key' and a 'payload'"})
+        try:
+            key, payload, priority = self.check_compile(msg)
+        except ValueError as e:
+            conn.send({"op": "error", "reason": str(e)})
             return
         with self.cv:
             job = self.jobs.get(key)
@@ -423,13 +509,25 @@ class Server:
             except OSError:
                 break
             conn = _Conn(self, sock)
+            sec = int(SEND_TIMEOUT_S)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, 0))
             with self.cv:
                 if self.stopping:
                     sock.close()
                     break
+                if len(self.conns) >= MAX_CLIENTS:
+                    conn.send({"op": "error", "reason": f"too many clients ({MAX_CLIENTS}); try again later"})
+                    sock.close()
+                    continue
                 self.conns.add(conn)
                 self.last_busy = time.monotonic()
             threading.Thread(target=conn.serve, name="neuron-compile-conn", daemon=True).start()
+
+    def _unlink(self) -> None:
+        try:
+            os.unlink(self.name, dir_fd=self.dir.fd)
+        except FileNotFoundError:
+            pass
 
     def stop(self, *_: Any) -> None:
         with self.cv:
@@ -438,12 +536,12 @@ class Server:
 
     def serve(self) -> int:
         """Bind, serve until idle or signalled, drain. The socket path is removed on the way out."""
+        self._unlink()
+        old = os.umask(0o177)  # the socket is created 0o600: no window in which it is more open
         try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
-        self.sock.bind(self.socket_path)
-        os.chmod(self.socket_path, 0o600)
+            self.sock.bind(self.dir.at(self.name))
+        finally:
+            os.umask(old)
         self.sock.listen(64)
         threading.Thread(target=self._accept, name="neuron-compile-accept", daemon=True).start()
         log.info("compile service %d on %s with %d worker(s)", os.getpid(), self.socket_path, self.pool.n)
@@ -457,10 +555,7 @@ class Server:
                 self.cv.wait(0.25 if idle else 1.0)
             self.cv.notify_all()
         # Stop accepting first (a client connecting now starts a new service), then drain.
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        self._unlink()
         self.sock.close()
         self.pool.close(self.grace)
         with self.cv:

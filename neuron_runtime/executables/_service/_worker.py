@@ -7,6 +7,12 @@ parent writes `{"i": n, "signatures": [...]}` (or one
 "compiled"|"present"|"refused"|"failed", "reason": ..., "seconds": ...}` on its protocol stream, then
 waits for the next. EOF on stdin ends it.
 
+Every line is input: a line that is not a task, a task with no signature, or a signature that fails
+the checks of `_checks.check_bounds` (tensors too large for this host to allocate examples of, and the
+like) is answered `"failed"` with the reason, and the worker goes on to the next line. A compile that
+fails for this host's reasons (a full disk, memory: `_entries.HostRefused`) is `"failed"` too: only
+the compiler's verdict on the op is `"refused"` (and cached).
+
 `signatures` are candidates, most general first (a shape class, then the exact signature): each is
 looked up and, if missing, compiled in turn until one gives an executable; `key` is the first one's key,
 `found` the key of the entry that answered (a refusal is cached under its candidate's key like any
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from neuron_runtime.cache import TieredCache
     from neuron_runtime.compiler import make_compiler
     from neuron_runtime.compiler import CompileRefused
-    from neuron_runtime.executables import _entries
+    from neuron_runtime.executables import _checks, _entries
     from neuron_runtime.signatures import _signature
 
     cfg = _config.get()
@@ -91,11 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     proto.write(json.dumps({"ready": os.getpid()}) + "\n")  # a task's timeout starts after this
     proto.flush()
     for line in sys.stdin:
-        task = json.loads(line)
-        sigs = task.get("signatures") or [task["signature"]]
         t0 = time.perf_counter()
-        answer: dict[str, Any] = {"i": task["i"]}
+        answer: dict[str, Any] = {"i": None}
         try:
+            task = json.loads(line)
+            if not isinstance(task, dict):
+                raise ValueError("a task is a JSON object")
+            answer["i"] = task.get("i")
+            sigs = task.get("signatures") if "signatures" in task else [task.get("signature")]
+            if not isinstance(sigs, list) or not sigs:
+                raise ValueError("a task needs 'signatures': a non-empty list (or one 'signature')")
+            for sig in sigs:
+                _checks.check_bounds(sig)  # before anything allocates examples of its sizes
             keys = [_signature.cache_key(sig, fp) for sig in sigs]
             answer["key"] = keys[0]
             if task.get("key") not in (None, keys[0]):
@@ -120,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
                     # in the answer instead, and the parent verifies it as it would a tier's.
                     answer["entry"] = base64.b64encode(cache.pack(key, dict(entry.header), entry.payload)).decode()
                 break
+        except _entries.HostRefused as e:  # this host, not the op: nothing was cached
+            answer.update(status="failed", reason=str(e))
         except CompileRefused as e:
             answer.update(status="refused", reason=str(e))
-        except Exception as e:  # noqa: BLE001 - reported per signature; the worker keeps going
-            answer.update(status="failed", reason=f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - reported per task; the worker keeps going
+            answer.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:1000]}")
         answer["seconds"] = round(time.perf_counter() - t0, 3)
         proto.write(json.dumps(answer) + "\n")
         proto.flush()
