@@ -972,9 +972,11 @@ struct OpState final : c10::OperatorKernel {
 
   // Whether tensors `a` and `b` (distinct) cover intersecting bytes: exact for the dense tensors CPU checks
   // (a non-dense one CPU lets pass: the Python kernel's exact rule decides then).
-  static bool spans_meet(const at::Tensor& a, const at::Tensor& b) {
-    if (!b.defined() || a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl() ||
-        b.unsafeGetTensorImpl()->is_wrapped_number()) {
+  // An out= tensor counts as meeting itself (many ops refuse an out= that is an input: CPU's
+  // `assert_no_overlap`); an in-place one does not (`x.add_(x)` is fine).
+  static bool spans_meet(const at::Tensor& a, const at::Tensor& b, bool same_counts) {
+    if (!b.defined() || b.unsafeGetTensorImpl()->is_wrapped_number() || a.numel() == 0 ||
+        (!same_counts && a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl())) {
       return false;
     }
     const char* pa = static_cast<const char*>(a.data_ptr());
@@ -986,15 +988,16 @@ struct OpState final : c10::OperatorKernel {
   // lists, as CPU's foreach ops check them). Cold: an in-place op's inputs are rarely views of its output.
   bool writes_overlap(const Stack& stack, size_t base) const {
     const c10::IValue& w = stack[base + mutated];
+    const bool out = kinds[mutated] == OUT;
     for (size_t i = 0; i < kinds.size(); ++i) {
       if (static_cast<int>(i) == mutated) continue;
       const c10::IValue& v = stack[base + i];
       if ((kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) && v.isTensor()) {
         if (w.isTensor()) {
-          if (spans_meet(w.toTensor(), v.toTensor())) return true;
+          if (spans_meet(w.toTensor(), v.toTensor(), out)) return true;
         } else if (w.isTensorList()) {
           for (const at::Tensor& t : w.toTensorList()) {
-            if (spans_meet(t, v.toTensor())) return true;
+            if (spans_meet(t, v.toTensor(), out)) return true;
           }
         }
       } else if (kinds[i] == TENSORS && v.isTensorList()) {
@@ -1002,11 +1005,11 @@ struct OpState final : c10::OperatorKernel {
         if (w.isTensorList() && w.toTensorList().size() == l.size()) {
           const auto& wl = w.toTensorList();
           for (size_t j = 0; j < l.size(); ++j) {
-            if (spans_meet(wl.get(j), l.get(j))) return true;
+            if (spans_meet(wl.get(j), l.get(j), out)) return true;
           }
         } else if (w.isTensor()) {
           for (const at::Tensor& t : l) {
-            if (spans_meet(w.toTensor(), t)) return true;
+            if (spans_meet(w.toTensor(), t, out)) return true;
           }
         }
       }

@@ -34,7 +34,7 @@ from ..executables import _megacache, _resolver
 from ..signatures import _ops, _signature
 from . import _fusion, _widen
 from ._writes import (_dtype_name, check_mutated, device_error, out_device_error, overlapping, shared_views,
-                      spans_meet, spans_meet_lists)
+                      spans_meet, spans_meet_lists, spans_touch)
 
 log = logging.getLogger(__name__)
 
@@ -787,7 +787,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         "_zCB": _copy_back_out, "_zCBA": _copy_back_all, "_zNUM": NUMBERS, "_zFC": torch._foreach_copy_,
         "_zPENDING": _fusion.PENDING, "_zFLUSH": _fusion.flush, "_zSUBMIT": _fusion.submit,
         "_zQUEUES": _fusion.queues, "_zOUTMETA": _fusion.outmeta, "_zIV": torch._C._increment_version,
-        "_zOV": spans_meet, "_zOVL": spans_meet_lists,
+        "_zOV": spans_meet, "_zOVL": spans_meet_lists, "_zOVO": spans_touch,
     }
     exec(compile(src, f"<neuron kernel {info.qualname}>", "exec"), scope)  # noqa: S102 - generated above
     kernel: Callable[..., Any] = scope["kernel"]
@@ -804,6 +804,7 @@ def _overlap_test(info: _ops.OpInfo) -> str:
         return ""
     by_name = {a.name: a for a in info.args}
     w = by_name[info.mutable[0]]
+    one = "_zOVO" if w.kwarg_only else "_zOV"  # an out= tensor: the very same tensor as an input counts too
     tests = []
     for a in info.args:
         if a.mutable or a.kind not in (_ops.TENSOR, _ops.OPT_TENSOR, _ops.TENSORS):
@@ -811,11 +812,11 @@ def _overlap_test(info: _ops.OpInfo) -> str:
         if w.kind == _ops.TENSORS and a.kind == _ops.TENSORS:
             tests.append(f"_zOVL({w.name}, {a.name})")
         elif w.kind == _ops.TENSORS:
-            tests.append(f"any(_zOV(_zt, {a.name}) for _zt in {w.name})")
+            tests.append(f"any({one}(_zt, {a.name}) for _zt in {w.name})")
         elif a.kind == _ops.TENSORS:
-            tests.append(f"any(_zOV({w.name}, _zt) for _zt in {a.name})")
+            tests.append(f"any({one}({w.name}, _zt) for _zt in {a.name})")
         else:
-            tests.append(f"_zOV({w.name}, {a.name})")
+            tests.append(f"{one}({w.name}, {a.name})")
     return " or ".join(tests)
 
 

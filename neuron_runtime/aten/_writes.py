@@ -4,12 +4,13 @@ An op never writes across devices: a CPU tensor an op on `neuron` would write in
 runs (CUDA's messages). An out= tensor of another dtype than the result follows PyTorch's rules for that
 op, which its meta kernel states (see docs/dispatch.md, "Writes across devices and dtypes").
 
-A written tensor that partially overlaps a tensor the op reads (`x[0:4].add_(x[2:6])`): an executable
-computes as if its inputs were copies, and the CPU views the host path runs on each have a storage of
-their own, so neither would notice. `spans_meet` is the hit path's cheap test (exact for dense tensors);
-`overlapping` is CPU's rule (TensorIterator's `get_overlap_status`); such a call runs the op on CPU views
-that share one storage where the neuron tensors share memory (`shared_views`), so CPU's own checks decide:
-the op raises CPU's "unsupported operation" error, or runs with its aliasing as on CPU."""
+A written tensor that partially overlaps a tensor the op reads (`x[0:4].add_(x[2:6])`), or an out= tensor
+that shares memory with an input (`torch.gather(x, 0, i, out=x)`): an executable computes as if its inputs
+were copies, and the CPU views the host path runs on each have a storage of their own, so neither would
+notice. `spans_meet` / `spans_touch` are the hit path's cheap tests (exact for dense tensors);
+`overlapping` decides with CPU's rules; such a call runs the op on CPU views that share one storage
+where the neuron tensors share memory (`shared_views`), so CPU's own checks decide: the op raises CPU's
+"unsupported operation" error, or runs with its aliasing as on CPU."""
 
 from __future__ import annotations
 
@@ -134,6 +135,15 @@ def spans_meet(a: torch.Tensor, b: Any) -> bool:
     return bool(pa < pb + b.nbytes and pb < pa + a.nbytes)
 
 
+def spans_touch(a: torch.Tensor, b: Any) -> bool:
+    """`spans_meet`, `a` itself included: for an out= tensor, which many ops refuse to share any memory
+    with an input (`gather`, `index_select`, `take`: CPU's `assert_no_overlap`)."""
+    if b is None or b.__class__ in (bool, int, float, complex) or not a.numel():
+        return False
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return bool(pa < pb + b.nbytes and pb < pa + a.nbytes)
+
+
 def spans_meet_lists(a: list[torch.Tensor], b: list[Any]) -> bool:
     """`spans_meet` element by element (two lists of one length, as CPU's foreach ops check them)."""
     return len(a) == len(b) and any(spans_meet(x, y) for x, y in zip(a, b))
@@ -153,11 +163,13 @@ def _partial(a: torch.Tensor, b: Any) -> bool:
     return True
 
 
-def _pairs(info: _ops.OpInfo, values: tuple[Any, ...]) -> list[tuple[torch.Tensor, Any]]:
-    """(written tensor, read tensor) pairs CPU checks for overlap: each written tensor with each tensor
-    the op reads; two lists element by element."""
+def _pairs(info: _ops.OpInfo, values: tuple[Any, ...], out: bool) -> list[tuple[torch.Tensor, Any]]:
+    """(written tensor, read tensor) pairs CPU checks for overlap: each written tensor (the out= ones if
+    `out`, else the in-place ones) with each tensor the op reads; two lists element by element."""
     pairs: list[tuple[torch.Tensor, Any]] = []
     for a, w in zip(info.args, values):
+        if a.mutable and a.kwarg_only != out:
+            continue
         if not a.mutable:
             continue
         for b, r in zip(info.args, values):
@@ -173,8 +185,12 @@ def _pairs(info: _ops.OpInfo, values: tuple[Any, ...]) -> list[tuple[torch.Tenso
 
 
 def overlapping(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
-    """Whether a tensor the op writes partially overlaps one it reads (CPU's rule: `_partial`)."""
-    return any(_partial(x, y) for x, y in _pairs(info, values))
+    """Whether CPU's kernel should judge this call's aliasing: a tensor it writes in place partially
+    overlaps one it reads (TensorIterator's rule: `_partial`), or an out= tensor shares any memory with an
+    input (the op's own rule then decides: elementwise ops allow the very same elements, `gather` and the
+    like refuse any overlap)."""
+    return any(_partial(x, y) for x, y in _pairs(info, values, out=False)) or \
+        any(isinstance(y, torch.Tensor) and spans_touch(x, y) for x, y in _pairs(info, values, out=True))
 
 
 def shared_views(values: tuple[Any, ...], host_values: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -230,6 +230,9 @@ OVERLAPS = {
     "add_ itself": "x.add_(x)",
     "add_ strided": "x[::2].add_(x[1::2])",
     "foreach disjoint": "torch._foreach_add_([x[0:3]], [x[3:6]])",
+    "add_out itself": "torch.add(x, 1, out=x)",
+    "index_select_out itself": "torch.index_select(x, 0, x.new_tensor([5, 4, 3, 2, 1, 0]).long(), out=x)",
+    "gather_out view": "torch.gather(x[0:4], 0, x.new_tensor([3, 2, 1, 0]).long(), out=x[0:4])",
 }
 
 
