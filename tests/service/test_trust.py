@@ -173,7 +173,8 @@ def test_a_manifest_cannot_make_a_key_run_another_executable(tmp_path: Path) -> 
         if shapes == "static":  # a static job runs exact executables only, whatever a manifest names
             assert r["links"] == {} and r["stats"]["class_hits"] == 0
         assert err.count(f"manifest of job {JOB!r}") == 1 and "shape class" in err
-        assert r["prefetched"] >= 1  # mul's executable: the hint was used, for what it names only
+        if shapes == "auto":  # mul's class executable: the hint was used, for what it names only
+            assert r["prefetched"] >= 1
 
 
 # -- 3. the compile service survives what its clients send ------------------------------------------------

@@ -4,7 +4,8 @@
       (_background.py)     (_client.py)                               └─ WorkerPool ──▶ _worker.py × N
 
 Lifecycle. One service per host and configuration (tier, compiler fingerprint, cache tiers, signing key,
-timeouts: all part of its socket's name, under the private `/tmp/neuron-runtime-<uid>/`). The first
+timeouts: its socket's name is an HMAC of them under a per-user salt, in the private
+`$TMPDIR/neuron-runtime-<uid>/`, checked without following links: `_client.ServiceDir`). The first
 process that needs a compile starts it (under a lock file: concurrent processes start one); it is
 shared by every later process with the same configuration (e.g. the ranks of a job), outlives the job
 that started it, and exits after TORCH_NEURONX_COMPILE_IDLE_TIMEOUT seconds with no client and no job.
@@ -19,11 +20,16 @@ Protocol (client -> service; one JSON object per line, never pickle):
         The service keeps one job per K however many clients ask, and answers each of them:
         {"op": "started", "key": K}
         {"op": "done", "key": K, "status": "compiled"|"present"|"refused"|"failed"|"busy", "found": key,
-         "reason": ..., "seconds": ..., "caused": bool, "entry": base64 (only if the local tier refused it)}
+         "reason": ..., "seconds": ..., "caused": bool, "entry": base64 (only if the local tier refused it),
+         "retry_after": seconds (only with "failed" while workers cannot start: ask again after that)}
     {"op": "status"}                                    -> queued, running, clients, workers, counts
-"compiled" and "present" mean the entry `found` is in the tiers (the local tier first); "caused" is true
+"compiled" and "present" mean the entry `found` is in the tiers (the local tier first); a client uses it
+only if `found` is one of its own candidates for the key (`_background`); "caused" is true
 for the client whose request made the compile (its `stats()["compiles"]` counts it); "busy" means the
 bounded queue (TORCH_NEURONX_COMPILE_QUEUE) is full: the client asks again later. A line that is not a
-JSON object with a known "op" gets {"op": "error", "reason": ...} and the connection goes on; a client that
-sends more than 4 MiB without a newline is told so and disconnected (tests/service/test_server.py).
+JSON object with a known "op", or a compile without a 64-hex key and 1 to 8 signature objects, gets
+{"op": "error", "reason": ...} and the connection goes on (nothing of it reaches a worker); a client that
+sends more than 4 MiB without a newline is told so and disconnected; at most 256 clients at once; a
+client that does not read its answers for 10 s is disconnected (tests/service/test_server.py,
+test_fuzz.py).
 """
