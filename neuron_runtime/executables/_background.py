@@ -435,8 +435,15 @@ class Background:
                        f"skipped (e.g. {chain.problems[0]})")
         # Which executables may serve each signature is derived here, as a call would (`candidates`): a
         # manifest names signatures, never which executable runs them.
-        wanted = [k for k in items if not resolver.has(k)]
-        cands = {k: resolver.live_candidates(items[k]) for k in wanted}
+        cands: dict[str, list[dict[str, Any]]] = {}
+        for k in items:
+            if resolver.has(k):
+                continue
+            try:  # one item that the checks let through but the shape rules cannot take costs only itself
+                cands[k] = resolver.live_candidates(items[k])
+            except Exception as e:  # noqa: BLE001
+                self._warn("manifest-item", f"neuron: a signature of the manifest of job {job!r} skipped ({e})")
+        wanted = list(cands)
         keys = {k: [resolver.key(c) for c in cands[k]] for k in wanted}
         found = cache.get_many(sorted({ck for cks in keys.values() for ck in cks})) if wanted else {}
         served: set[str] = set()

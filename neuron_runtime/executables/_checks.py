@@ -55,10 +55,15 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _ops_of(sig: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for s in (sig, sig.get("example")) if isinstance(sig.get("example"), dict) else (sig,):
-        out.extend(n["sig"] for n in s["graph"]) if "graph" in s else out.append(s)
+def _ops_of(sig: dict[str, Any]) -> list[tuple[dict[str, Any], bool]]:
+    """Every op signature in `sig` (a fused group's nodes; a class's and its example's), each with
+    whether its sizes may be symbols (a shape class's own, never an exact signature's)."""
+    out: list[tuple[dict[str, Any], bool]] = []
+    parts = [(sig, _shapes.is_class(sig))]
+    if isinstance(sig.get("example"), dict):
+        parts.append((sig["example"], False))
+    for s, symbolic in parts:
+        out.extend((n["sig"], symbolic) for n in s["graph"]) if "graph" in s else out.append((s, symbolic))
     return out
 
 
@@ -67,7 +72,7 @@ def check_bounds(sig: dict[str, Any], max_bytes: int | None = None) -> dict[str,
     check_signature(sig)
     limit = max_example_bytes() if max_bytes is None else max_bytes
     total = 0
-    for op in _ops_of(sig):
+    for op, symbolic in _ops_of(sig):
         for name, kind, desc in op["args"]:
             for d in desc if kind in (_ops.TENSORS, _ops.OPT_TENSORS) and isinstance(desc, list) else [desc]:
                 if not (isinstance(d, dict) and "sizes" in d):
@@ -78,8 +83,9 @@ def check_bounds(sig: dict[str, Any], max_bytes: int | None = None) -> dict[str,
                     raise ValueError(f"{op['op']} argument {name}: sizes and strides must be lists of one "
                                      f"rank (at most {MAX_RANK})")
                 # A shape class's sizes may be symbols ("s0"); its strides expressions of them.
-                if not all(_is_int(n) and 0 <= n < 1 << 62 or isinstance(n, str) and len(n) < 64 for n in sizes) \
-                        or not all(_is_int(s) and abs(s) < 1 << 62 or isinstance(s, str) and len(s) < 256
+                if not all(_is_int(n) and 0 <= n < 1 << 62 or symbolic and isinstance(n, str) and len(n) < 64
+                           for n in sizes) \
+                        or not all(_is_int(s) and abs(s) < 1 << 62 or symbolic and isinstance(s, str) and len(s) < 256
                                    for s in strides):
                     raise ValueError(f"{op['op']} argument {name}: sizes and strides must be integers")
                 try:
@@ -107,7 +113,7 @@ def _schema(qualname: str) -> tuple[str, tuple[str, ...]] | None:
 def check_known(sig: dict[str, Any]) -> dict[str, Any]:
     """`sig` (structurally checked) if every op in it is one of this torch's, named with its own schema."""
     check_signature(sig)
-    for op in _ops_of(sig):
+    for op, _ in _ops_of(sig):
         name = op["op"]
         known = _schema(name) if isinstance(name, str) else None
         if known is None:

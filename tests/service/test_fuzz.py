@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -173,20 +175,33 @@ def _proc_status(pid: int) -> dict[str, int]:
 
 
 class _Conn:
+    """A client that reads its answers all the time, on a thread of its own (as `ServiceClient` does)."""
+
     def __init__(self, path: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(120)
         self.sock.connect(path)
-        self.buf = b""
+        self.inbox: queue.Queue[Any] = queue.Queue()
         self.done: dict[str, list[dict[str, Any]]] = {}
+        threading.Thread(target=self._reader, daemon=True).start()
+
+    def _reader(self) -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.inbox.put(None)
+                return
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                self.inbox.put(json.loads(line))
 
     def read(self) -> dict[str, Any]:
-        while b"\n" not in self.buf:
-            chunk = self.sock.recv(1 << 16)
-            assert chunk, "the service hung up"
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        msg = json.loads(line)
+        msg = self.inbox.get(timeout=120)
+        assert msg is not None, "the service hung up"
         assert isinstance(msg, dict) and msg.get("op") in ("hello", "status", "error", "started", "done"), msg
         if msg["op"] == "done":
             self.done.setdefault(msg["key"], []).append(msg)

@@ -71,9 +71,10 @@ def start_service(tmp_path: Path, **extra: str) -> Iterator[tuple[str, subproces
     """A real service (reference workers) on a socket of its own in this user's service directory."""
     d = _client.service_dir()
     path = os.path.join(getattr(d, "path", d), f"test-{os.getpid()}-{tmp_path.name}.sock")
+    log = open(tmp_path / "service.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, _client.SERVER, "--socket", path, "--workers", "1",
                              "--idle-timeout", "2", "--timeout", "120"], env=service_env(tmp_path, **extra), text=True,
-                            stderr=subprocess.PIPE)
+                            stderr=log)
     deadline = time.monotonic() + 30
     while not os.path.exists(path):
         assert proc.poll() is None and time.monotonic() < deadline, "the service did not start"
@@ -83,7 +84,9 @@ def start_service(tmp_path: Path, **extra: str) -> Iterator[tuple[str, subproces
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate()
+        proc.wait()
+        log.close()
+        print((tmp_path / "service.log").read_text()[-3000:])  # shown when a test fails
 
 
 @pytest.fixture

@@ -45,7 +45,7 @@ PROTOCOL = 1
 MAX_LINE = 1 << 22
 MAX_CLIENTS = 256       # connections at once (each has a reader thread); more are told so and closed
 MAX_CANDIDATES = 8      # signatures in one compile request (a shape class or two, then the exact one)
-SEND_TIMEOUT_S = 10.0   # a client that reads nothing for this long while we answer it is disconnected
+SEND_TIMEOUT_S = 30.0   # a client that reads nothing for this long while we answer it is disconnected
 KEY_CHARS = frozenset("0123456789abcdef")
 
 START_TIMEOUT_S = 300.0  # a worker that is not ready by then is killed (and counts as dead on arrival)
@@ -319,7 +319,8 @@ class _Conn:
         try:
             with self.wlock:
                 self.sock.sendall(data)
-        except OSError:
+        except OSError as e:
+            log.warning("compile service: a client that does not read its answers (%s) is disconnected", e)
             self.alive = False
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)
@@ -336,8 +337,13 @@ class _Conn:
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    if line.strip():
+                    if not line.strip():
+                        continue
+                    try:
                         self.server.handle(self, line)
+                    except Exception as e:  # noqa: BLE001 - a bug here costs this line, never the service
+                        log.exception("compile service: a request failed: %r", line[:200])
+                        self.send({"op": "error", "reason": f"internal error: {type(e).__name__}"})
                 if len(buf) > MAX_LINE:
                     self.send({"op": "error", "reason": f"line longer than {MAX_LINE} bytes: disconnected"})
                     break
