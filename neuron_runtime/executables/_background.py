@@ -35,7 +35,6 @@ from typing import Any
 
 from .. import _config, _profiling
 from ..compiler import CompileRefused, Executable
-from ..signatures import _signature
 from . import _entries, _manifest
 
 log = logging.getLogger(__name__)

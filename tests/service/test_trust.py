@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 from test_background import alive, job_env, run_job, worker_pids
 
-from neuron_runtime import __version__, envelope
+from neuron_runtime import envelope
 from neuron_runtime.cache import SharedPathStore
 from neuron_runtime.compiler import get_compiler
 from neuron_runtime.executables import _manifest
