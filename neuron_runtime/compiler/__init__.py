@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from .. import _config
-from ._base import CompileRefused, Compiler, Executable
+from ._base import PHASES, CompileRefused, Compiled, Compiler, Executable, PhaseTimes
 
-__all__ = ["CompileRefused", "Compiler", "Executable", "get_compiler", "make_compiler"]
+__all__ = ["PHASES", "CompileRefused", "Compiled", "Compiler", "Executable", "PhaseTimes", "get_compiler",
+           "make_compiler"]
 
 
 def get_compiler(name: str) -> Compiler:

@@ -27,25 +27,28 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import warnings
 import zipfile
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import _config
 from ..signatures import _ops, _shapes, _signature
-from . import _toolchain
-from ._base import CompileRefused, Compiler, Executable
-from ._reference import _resolve, build_call, build_graph
+from . import _runtime, _toolchain, _units
+from ._base import CompileRefused, Compiled, Compiler, Executable
+from ._reference import _resolve, aten_executable, build_call, build_graph
 
 log = logging.getLogger(__name__)
 
-ARTIFACT_FORMAT = "neuron-aoti-v1"
+ARTIFACT_FORMAT = "neuron-aoti-v2"
 META_PATH = "extra/neuron_runtime.json"  # the .pt2 archive's place for extra files; the loader ignores it
 
 # Run-time scalar type (from the signature) -> dtype of the 0-d tensor that carries it into the executable.
@@ -82,6 +85,10 @@ def _worker() -> concurrent.futures.ThreadPoolExecutor:
         return _WORKER[1]
 
 
+class _LayoutMismatch(CompileRefused):
+    """The compiled executable's output has eager's shape and dtype but not its strides."""
+
+
 class ArtifactMismatch(RuntimeError):
     """An artifact built for another host, toolchain or format was offered to `load`; it is never loaded.
 
@@ -89,9 +96,54 @@ class ArtifactMismatch(RuntimeError):
     an integrity failure (recompile), never as an op error."""
 
 
+# Ops whose executable is the library call itself (what Inductor lowers them to: an extern kernel, MKL or
+# oneDNN), with the reason: no trace, no C++; the executable calls the op on host memory as eager does,
+# and the native hit path calls it without Python (docs/compilers.md: "Library calls").
+LIBRARY_OPS: dict[str, str] = {
+    "aten::mm": "Inductor calls at::mm_out (extern_kernels.mm)",
+    "aten::addmm": "Inductor calls at::addmm_out (extern_kernels.addmm)",
+    "aten::bmm": "Inductor calls at::bmm_out (extern_kernels.bmm)",
+    "aten::baddbmm": "Inductor calls at::baddbmm_out (extern_kernels.baddbmm)",
+    "aten::convolution": "Inductor calls the oneDNN convolution, around it only layout copies for a lone op",
+    "aten::convolution_backward": "Inductor calls the op's own kernel (a fallback)",
+}
+
+
+@dataclass
+class _Job:
+    """One signature on its way through `_compile_many`."""
+
+    signature: dict[str, Any]
+    phases: dict[str, float] = field(default_factory=dict)
+    error: BaseException | None = None
+    cls: dict[str, Any] | None = None
+    exact: dict[str, Any] = field(default_factory=dict)
+    run: Any = None
+    flat: dict[str, Any] = field(default_factory=dict)
+    others: list[dict[str, Any]] = field(default_factory=list)
+    into: list[int] = field(default_factory=list)
+    n_tensors: int = 0
+    scalar_types: list[str] = field(default_factory=list)
+    library: bool = False
+    restride: bool = False  # outputs copied into eager's layout (after a layout mismatch: `_export`)
+    unit: _units.Unit | None = None  # the op's C++ unit, built with the batch (`_runtime`)
+    raw: bytes | None = None  # or a .pt2 AOTInductor built whole (a unit the rewrite does not know)
+    so: bytes | None = None
+    payload: bytes = b""
+
+    @property
+    def qualname(self) -> str:
+        return str(self.signature.get("op", "?"))
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+
 class AotiCompiler(Compiler):
     name = "aoti"
-    format_version = 1
+    # 2: an op's .so is its own unit linked with the shared runtime (or a library call); part of every
+    # key, so entries of format 1 are never looked up (they are recompiled, and pruned like any other).
+    format_version = 2
     # In-place executables (`writes_inputs`, compiler._base) for ops that write tensor lists (`_foreach_*_`):
     # the functional op followed by a `copy_` into each mutated input is exported, as a fused group's
     # `into`, and AOTInductor stores the results into those inputs' buffers: no fresh results, no copy
@@ -108,6 +160,7 @@ class AotiCompiler(Compiler):
         self.simdlen = _toolchain.simdlen_for(self.march, simdlen if simdlen is not None else cfg.aoti_simdlen)
         self.local_cache_dir = local_cache_dir or cfg.local_cache_dir
         self._scratch: _toolchain.Scratch | None = None
+        self._host: _runtime.HostRuntime | None = None
 
     # -- fingerprint --------------------------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
@@ -120,16 +173,87 @@ class AotiCompiler(Compiler):
 
     # -- compile ------------------------------------------------------------------------------------
     def compile(self, signature: dict[str, Any]) -> bytes:
-        """Compiles on the tier's own thread, one compile at a time per process.
+        return self.compile_many([signature])[0].unwrap()
+
+    def compile_many(self, signatures: Sequence[dict[str, Any]]) -> list[Compiled]:
+        """Compiles on the tier's own thread, one batch at a time per process (see the module docstring).
 
         Inductor's configuration and scratch paths are process globals, so compiles cannot overlap. The
         caller is usually inside a `neuron` kernel, under whatever thread-local state the user's code set
         (inference mode, autocast, a default device, dispatch keys excluded below autograd); a thread of
         our own exports and checks the op under torch's defaults instead."""
-        return _worker().submit(self._compile, signature).result()
+        return _worker().submit(self._compile_many, list(signatures)).result()
 
-    def _compile(self, signature: dict[str, Any]) -> bytes:
-        qualname = signature["op"]
+    def prepare(self) -> float:
+        """Do now what the first compile of a process would pay for: build (or verify) what every compile
+        on this host shares, and lower one tiny op (Inductor's first lowering in a process imports and
+        initialises seconds of code). Returns the seconds it took; a compile worker calls it before it
+        says it is ready, so none of it delays a signature."""
+        t0 = time.perf_counter()
+        _worker().submit(self._prepare).result()
+        return time.perf_counter() - t0
+
+    def _prepare(self) -> None:
+        self.host_runtime().ensure()
+        x = torch.zeros(4)
+        warm = _Job(_signature.build(_ops.classify("aten::add.Tensor"), (x, x, 1)))
+        try:
+            self._lower(warm)
+        except Exception as e:  # noqa: BLE001 - a warm-up only: the real compile reports its own error
+            log.debug("aoti: warm-up lowering failed: %s", e)
+
+    def host_runtime(self) -> _runtime.HostRuntime:
+        if self._host is None:
+            scratch = self.scratch()
+            self._host = _runtime.HostRuntime(scratch.root, scratch.tmp, _toolchain.pins(self.march, self.simdlen))
+        return self._host
+
+    def _compile_many(self, signatures: list[dict[str, Any]]) -> list[Compiled]:
+        jobs = [_Job(sig) for sig in signatures]
+        # 1. Per signature: trace it and lower it to C++ (or find it needs no C++: a library call).
+        for job in jobs:
+            try:
+                self._lower(job)
+            except Exception as e:  # noqa: BLE001 - costs only this signature
+                job.error = e
+        # 2. One C++ compile for every unit of the batch, one link per unit.
+        units = [j for j in jobs if j.error is None and j.unit is not None]
+        if units:
+            self._build(units)
+        # 3. Per signature: the artifact, then its self-check against eager.
+        for job in jobs:
+            if job.error is None:
+                try:
+                    self._finish(job)
+                except Exception as e:  # noqa: BLE001 - costs only this signature
+                    job.error = e
+        # 4. Outputs Inductor laid out otherwise than eager: once more, writing them in eager's layout.
+        again = [j for j in jobs if isinstance(j.error, _LayoutMismatch) and not j.restride]
+        if again:
+            for j in again:
+                first = j.error
+                j.__init__(j.signature, phases=j.phases, restride=True)  # type: ignore[misc]
+                j.error = None
+                log.debug("aoti: %s: %s; compiling it again with eager's output layout", j.qualname, first)
+            for j in again:
+                try:
+                    self._lower(j)
+                except Exception as e:  # noqa: BLE001
+                    j.error = e
+            units = [j for j in again if j.error is None and j.unit is not None]
+            if units:
+                self._build(units)
+            for j in again:
+                if j.error is None:
+                    try:
+                        self._finish(j)
+                    except Exception as e:  # noqa: BLE001
+                        j.error = e
+        return [Compiled(payload=j.payload if j.error is None else None, error=j.error, phases=j.phases) for j in jobs]
+
+    def _lower(self, job: _Job) -> None:
+        signature = job.signature
+        qualname = job.qualname
         try:
             _toolchain.check_host(self.march)
         except _toolchain.ToolchainError as e:
@@ -138,59 +262,109 @@ class AotiCompiler(Compiler):
         # its symbolic sizes as dynamic dims; the self-check then runs a second shape of the class too.
         # A flat class (the rank-collapse rule) compiles a 1-D kernel from its flattened example, and its
         # executable views the inputs flat and the outputs back (`_flat_executable`).
-        cls = signature if _shapes.is_class(signature) else None
-        exact = _shapes.example(cls) if cls is not None else signature
-        into = [int(i) for _, i in exact.get("into", [])]  # inputs a fused group writes in place
+        cls = job.cls = signature if _shapes.is_class(signature) else None
+        exact = job.exact = _shapes.example(cls) if cls is not None else signature
+        job.into = [int(i) for _, i in exact.get("into", [])]  # inputs a fused group writes in place
         if "graph" in exact:  # a fused group (neuron_runtime.aten._fusion) or a torch.compile graph
-            run = build_graph(exact, wrapped_as_tensors=True,
-                              choose=lambda sig, op: _per_element(sig["op"], op, sig) or _VIEWS.get(sig["op"], op))
-            flat = graph_inputs(exact)
-            others = [graph_inputs(_shapes.other_instance(cls))] if cls is not None else []
+            job.run = build_graph(exact, wrapped_as_tensors=True,
+                                  choose=lambda sig, op: _per_element(sig["op"], op, sig) or _VIEWS.get(sig["op"], op))
+            job.flat = graph_inputs(exact)
+            job.others = [graph_inputs(_shapes.other_instance(cls))] if cls is not None else []
             dynamic = _dynamic_dims(graph_inputs(cls)) if cls is not None else None
         elif exact.get("writes"):  # in place: the functional op, its results stored into the inputs
-            run, into = _in_place_call(exact)
-            flat = exact
-            others = [_shapes.other_instance(cls)] if cls is not None else []
+            job.run, job.into = _in_place_call(exact)
+            job.flat = exact
+            job.others = [_shapes.other_instance(cls)] if cls is not None else []
             dynamic = _dynamic_dims(cls) if cls is not None else None
         else:
             op = _resolve(qualname)
             _check_scalar_schema(qualname, op, exact)
-            run = build_call(exact, _per_element(qualname, op, exact) or op, wrapped_as_tensors=True)
-            flat = exact
-            others = [_shapes.other_instance(cls)] if cls is not None else []
+            job.run = build_call(exact, _per_element(qualname, op, exact) or op, wrapped_as_tensors=True)
+            job.flat = exact
+            job.others = [_shapes.other_instance(cls)] if cls is not None else []
             dynamic = _dynamic_dims(cls) if cls is not None else None
-        inputs, scalar_types = _example_inputs(flat)
-        n_tensors = len(inputs) - len(scalar_types)
-        fp = self.fingerprint()
+            if qualname in LIBRARY_OPS:
+                # The op is one library call: its executable is that call (no C++ of its own).
+                job.library = True
+                inputs, job.scalar_types = _example_inputs(exact)
+                job.n_tensors = len(inputs) - len(job.scalar_types)
+                return
+        inputs, job.scalar_types = _example_inputs(job.flat)
+        job.n_tensors = len(inputs) - len(job.scalar_types)
         scratch = self.scratch()
         # Inductor's deprecation and future warnings are about Inductor, not the user's program.
         with _redirected(scratch), warnings.catch_warnings(record=True) as caught:
             t0 = time.perf_counter()
-            ep = _export(qualname, run, n_tensors, inputs, dynamic)
+            ep = _export(qualname, job.run, job.n_tensors, inputs, dynamic, restride=job.restride)
             _check_outputs(qualname, ep)
             t1 = time.perf_counter()
+            job.add("export", t1 - t0)
             # A fresh build directory, not Inductor's cache, which would keep every .so forever.
             build = tempfile.mkdtemp(prefix="build-", dir=scratch.build)
             try:
-                raw = _aot_compile(qualname, ep, inputs, _toolchain.pins(self.march, self.simdlen), build)
+                job.unit, job.raw, classic_s = _aot_lower(qualname, ep, inputs,
+                                                          _toolchain.pins(self.march, self.simdlen), build)
             finally:
                 shutil.rmtree(build, ignore_errors=True)
-            t2 = time.perf_counter()
+            job.add("lowering", time.perf_counter() - t1 - classic_s)
+            if classic_s:
+                job.add("cxx", classic_s)
         for w in caught:
             log.debug("aoti: while compiling %s: %s", qualname, w.message)
-        meta = {"format": ARTIFACT_FORMAT, "fingerprint": fp, "signature": signature,
-                "n_tensors": n_tensors, "scalar_types": scalar_types, "wrapped": wrapped_slots(flat)}
-        if exact.get("writes"):
-            meta["writes_at"] = into  # the tensor inputs the kernel stores into (`_InPlace`)
-        payload = _repackage(qualname, raw, meta, str(scratch.tmp))
-        if cls is not None and _shapes.is_flat(cls):
+
+    def _build(self, jobs: list[_Job]) -> None:
+        """One translation unit for the batch's units; each job gets its .so or its own error."""
+        host = self.host_runtime()
+        setup_before = host.setup_seconds
+        work = Path(tempfile.mkdtemp(prefix="units-", dir=self.scratch().build))
+        try:
+            try:
+                results = host.build([j.unit for j in jobs if j.unit is not None], work)
+            except _runtime.BuildError as e:  # the shared runtime itself cannot be built here
+                for j in jobs:
+                    j.error = CompileRefused(f"{j.qualname}: {e}")
+                return
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        share = host.last_compile_s / len(jobs)
+        for k, (job, res) in enumerate(zip(jobs, results)):
+            job.add("cxx", share)
+            job.add("link", host.last_link_s[k])
+            if isinstance(res, bytes):
+                job.so = res
+            else:
+                job.error = CompileRefused(f"{job.qualname}: C++ build failed ({res})")
+        if host.setup_seconds > setup_before:
+            jobs[0].add("setup", host.setup_seconds - setup_before)
+
+    def _finish(self, job: _Job) -> None:
+        """Package the artifact and check it against eager (every shape the self-check knows)."""
+        t0 = time.perf_counter()
+        meta: dict[str, Any] = {"format": ARTIFACT_FORMAT, "fingerprint": self.fingerprint(),
+                                "signature": job.signature, "n_tensors": job.n_tensors,
+                                "scalar_types": job.scalar_types, "wrapped": wrapped_slots(job.flat)}
+        if job.exact.get("writes"):
+            meta["writes_at"] = job.into  # the tensor inputs the kernel stores into (`_InPlace`)
+        if job.library:
+            meta["kind"] = "library"
+            payload = _package(job.qualname, None, meta)
+        elif job.so is not None:
+            payload = _package(job.qualname, job.so, meta)
+        else:
+            assert job.raw is not None
+            payload = _repackage(job.qualname, job.raw, meta, str(self.scratch().tmp))
+        t1 = time.perf_counter()
+        job.add("packaging", t1 - t0)
+        others = list(job.others)
+        if job.cls is not None and _shapes.is_flat(job.cls):
             # the shape it was made from: the flat views and the views back
-            others.append(graph_inputs(cls["example"]) if "graph" in exact else cls["example"])
-        for shape in [flat, *others]:
-            self._self_check(qualname, payload, run, n_tensors, scalar_types, shape, into)
-        log.info("aoti: compiled %s (export %.1fs, compile %.1fs, %d bytes)", qualname, t1 - t0, t2 - t1,
-                 len(payload))
-        return payload
+            others.append(graph_inputs(job.cls["example"]) if "graph" in job.exact else job.cls["example"])
+        for shape in [job.flat, *others]:
+            self._self_check(job.qualname, payload, job.run, job.n_tensors, job.scalar_types, shape, job.into)
+        job.add("self_check", time.perf_counter() - t1)
+        job.payload = payload
+        log.info("aoti: compiled %s (%s, %d bytes)", job.qualname,
+                 ", ".join(f"{k} {v:.2f}s" for k, v in job.phases.items()), len(payload))
 
     def _self_check(self, qualname: str, payload: bytes, run: Executable, n_tensors: int,
                     scalar_types: list[str], signature: dict[str, Any], into: Sequence[int] = ()) -> None:
@@ -242,7 +416,8 @@ class AotiCompiler(Compiler):
             strides_differ = g.numel() > 0 and any(n > 1 and a != b
                                                    for n, a, b in zip(g.shape, g.stride(), w.stride()))
             if (g.shape, g.dtype) != (w.shape, w.dtype) or strides_differ:
-                raise CompileRefused(f"{qualname}: output {i} is {list(g.shape)}/{g.stride()}/{g.dtype}, eager "
+                cls = _LayoutMismatch if (g.shape, g.dtype) == (w.shape, w.dtype) else CompileRefused
+                raise cls(f"{qualname}: output {i} is {list(g.shape)}/{g.stride()}/{g.dtype}, eager "
                                      f"gives {list(w.shape)}/{w.stride()}/{w.dtype}")
             if qualname in _UNDEFINED_VALUES:
                 continue
@@ -268,6 +443,8 @@ class AotiCompiler(Compiler):
             _toolchain.check_host(self.march)
         except _toolchain.ToolchainError as e:
             raise ArtifactMismatch(f"{meta['signature']['op']}: {e}") from e
+        if meta.get("kind") == "library":
+            return aten_executable(meta["signature"])
         loader = _load_package(members, self.scratch())
         wrapped = [(int(i), str(d)) for i, d in meta.get("wrapped", [])]
         exe = _make_executable(loader, meta["signature"]["op"], meta["scalar_types"], wrapped)
@@ -602,15 +779,22 @@ def _check_value(qualname: str, name: str, value: Any) -> None:
 
 
 def _export(qualname: str, run: Executable, n_tensors: int, inputs: list[torch.Tensor],
-            dynamic: list[list[Any]] | None = None) -> Any:
+            dynamic: list[list[Any]] | None = None, restride: bool = False) -> Any:
     """`torch.export` of the op's call; `dynamic`: per tensor input its sizes, a symbol name where the
     dim is dynamic (a shape class). Each symbol is a `Dim` with min=2: export refuses (constraint
-    violation) rather than narrow it, so a class it cannot keep generic is refused, never half-generic."""
+    violation) rather than narrow it, so a class it cannot keep generic is refused, never half-generic.
+    `restride`: each output is written into a buffer of eager's strides (the traced meta strides), for an
+    op whose Inductor lowering picks another layout (`cat` of permuted inputs keeps their order, eager's
+    is contiguous)."""
     class _Op(torch.nn.Module):
         def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # `.item()` on an input keeps the scalar symbolic (an unbacked SymFloat/SymInt): the value is
             # read when the executable runs instead of being baked into the code.
-            return tuple(run(args[:n_tensors], [s.item() for s in args[n_tensors:]]))
+            outs = tuple(run(args[:n_tensors], [s.item() for s in args[n_tensors:]]))
+            if not restride:
+                return outs
+            return tuple(torch.empty_strided(o.shape, o.stride(), dtype=o.dtype).copy_(o)
+                         if isinstance(o, torch.Tensor) else o for o in outs)
 
     shapes: Any = None
     if dynamic is not None:
@@ -652,25 +836,55 @@ def _check_outputs(qualname: str, ep: Any) -> None:
                                  f"({list(val.shape)}); it runs on the host")
 
 
-def _aot_compile(qualname: str, ep: Any, inputs: list[torch.Tensor], pinned: dict[str, Any],
-                 build: str) -> bytes:
-    """AOTInductor into `build`, packaged as a .pt2 zip in memory."""
+def _aot_lower(qualname: str, ep: Any, inputs: list[torch.Tensor], pinned: dict[str, Any],
+               build: str) -> tuple[_units.Unit | None, bytes | None, float]:
+    """AOTInductor's lowering of `ep`, stopped before its C++ build: (the op's unit, None, 0.0). Generated
+    code of a shape the rewrite does not know (`_units.Unsupported`) is built by AOTInductor itself into
+    `build` and packaged as a .pt2 zip in memory: (None, the zip, the seconds that build took)."""
     from torch._inductor import aot_compile
     from torch._inductor.package import package_aoti
 
     options = dict(pinned)
     options["aot_inductor.package"] = True
     options["aot_inductor.output_path"] = build
+    classic: dict[str, float] = {}
     try:
-        files = aot_compile(ep.module(check_guards=False), tuple(inputs), options=options)
-    except Exception as e:  # noqa: BLE001 - a failed lowering or C++ build is a refusal with its reason
+        with _units.capturing(classic):
+            files = aot_compile(ep.module(check_guards=False), tuple(inputs), options=options)
+    except BaseException as e:  # noqa: BLE001 - `capturing` raises a BaseException to carry the code out
+        got = _units.captured(e)
+        if got is not None:
+            return got, None, 0.0
+        if not isinstance(e, Exception):
+            raise
+        # a failed lowering or C++ build is a refusal with its reason
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CompileRefused(f"{qualname}: AOTInductor failed ({type(e).__name__}: {first[:300]})") from e
+    log.debug("aoti: %s built by AOTInductor whole (%s)", qualname, classic.get("why"))
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         raise CompileRefused(f"{qualname}: AOTInductor produced weights outside the .so; not supported")
     raw = io.BytesIO()
     package_aoti(raw, files)
-    return raw.getvalue()
+    return None, raw.getvalue(), classic.get("seconds", 0.0)
+
+
+def _package(qualname: str, so: bytes | None, meta: dict[str, Any]) -> bytes:
+    """A .pt2 zip as AOTInductor's packager lays one out: the op's .so (none for a library call), its
+    metadata, the archive markers, and our metadata (`META_PATH`)."""
+    from torch._inductor.codecache import get_device_information
+
+    info = {"AOTI_DEVICE_KEY": "cpu", **get_device_information("cpu")}
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as z:
+        z.writestr("archive/archive_format", "pt2")
+        z.writestr("archive/archive_version", "0")
+        z.writestr("archive/byteorder", sys.byteorder)
+        z.writestr("archive/.data/version", "6\n")
+        if so is not None:
+            z.writestr("archive/data/aotinductor/model/model.so", so)
+            z.writestr("archive/data/aotinductor/model/model_metadata.json", json.dumps(info))
+        z.writestr("archive/" + META_PATH, _signature.canonical(meta))
+    return out.getvalue()
 
 
 def _repackage(qualname: str, raw: bytes, meta: dict[str, Any], tmp: str) -> bytes:

@@ -18,6 +18,10 @@ Contract:
     aliasing (the reference tier's is the CPU op itself, which is); and it should check its inputs before
     it writes anything: an executable that raises makes the runtime restore what it wrote only on the
     first call of a key (the runtime snapshots the mutated tensors then), not on later calls.
+  * `compile_many(signatures)` compiles several signatures at once (a tier may share one compiler
+    invocation between them: `aoti` compiles a batch in one C++ translation unit). One result per
+    signature, in order: its bytes or its own exception (a signature that fails costs only itself), and
+    the seconds of each phase spent on it (`PHASES`; a batch's shared phases split evenly).
   * `fingerprint()` names everything that decides whether an artifact can run here; it is part of the key,
     so a host with another ISA or torch never even looks up the other host's entries.
 """
@@ -25,7 +29,9 @@ Contract:
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +41,63 @@ Executable = Callable[[Sequence[torch.Tensor], Sequence[Any]], Sequence[torch.Te
 
 class CompileRefused(Exception):
     """This compiler cannot compile the op; say why in the message."""
+
+
+#: The phases of a compile whose seconds a tier reports (`Compiled.phases`, `stats()`, `neuron-cache
+#: stats`): tracing the op (export), Inductor's lowering to C++, the C++ compile, the link, running the
+#: fresh executable against eager (self_check), and the artifact's packaging; `setup` is what a compile
+#: spent building what every later compile on the host reuses (a tier's shared runtime); `compile` is the
+#: whole of it for a tier that does not break it down.
+PHASES = ("export", "lowering", "cxx", "link", "self_check", "packaging", "setup", "compile")
+
+
+@dataclass
+class Compiled:
+    """One signature's result of `Compiler.compile_many`: `payload`, or the `error` it alone raised."""
+
+    payload: bytes | None = None
+    error: BaseException | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def unwrap(self) -> bytes:
+        if self.error is not None:
+            raise self.error
+        assert self.payload is not None
+        return self.payload
+
+
+class PhaseTimes:
+    """Seconds per compile phase over many compiles (`stats()["compile_phases"]`, `neuron-cache stats`):
+    per phase p50, p95, total and count. Thread-safe; keeps the last `keep` values of each phase."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        import threading
+
+        self.keep = keep
+        self.values: dict[str, list[float]] = {}
+        self.lock = threading.Lock()
+
+    def add(self, phases: dict[str, Any] | None) -> None:
+        if not isinstance(phases, dict):
+            return
+        with self.lock:
+            for name, v in phases.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
+                    vals = self.values.setdefault(str(name)[:32], [])
+                    vals.append(float(v))
+                    if len(vals) > self.keep:
+                        del vals[: len(vals) - self.keep]
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        with self.lock:
+            items = {k: sorted(v) for k, v in self.values.items() if v}
+        return {k: {"p50": round(v[len(v) // 2], 3), "p95": round(v[min(len(v) - 1, int(0.95 * len(v)))], 3),
+                    "total": round(sum(v), 3), "n": len(v)}
+                for k, v in sorted(items.items(), key=lambda kv: _phase_order(kv[0]))}
+
+
+def _phase_order(name: str) -> tuple[int, str]:
+    return (PHASES.index(name) if name in PHASES else len(PHASES), name)
 
 
 class Compiler(abc.ABC):
@@ -52,3 +115,14 @@ class Compiler(abc.ABC):
 
     @abc.abstractmethod
     def load(self, payload: bytes) -> Executable: ...
+
+    def compile_many(self, signatures: Sequence[dict[str, Any]]) -> list[Compiled]:
+        """One `Compiled` per signature (see the module docstring); this default compiles one by one."""
+        out = []
+        for sig in signatures:
+            t0 = time.perf_counter()
+            try:
+                out.append(Compiled(payload=self.compile(sig), phases={"compile": time.perf_counter() - t0}))
+            except Exception as e:  # noqa: BLE001 - reported per signature
+                out.append(Compiled(error=e, phases={"compile": time.perf_counter() - t0}))
+        return out

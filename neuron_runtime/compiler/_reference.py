@@ -120,12 +120,17 @@ class ReferenceCompiler(Compiler):
         sig = desc["signature"]
         if "graph" in sig:
             return build_graph(sig)
-        run = build_call(sig, _resolve(sig["op"]))
-        # The whole executable is this aten op on host memory: the native hit path calls it directly.
-        run.__neuron_aten__ = sig["op"]  # type: ignore[attr-defined]
-        if sig.get("writes"):
-            run.__neuron_inplace__ = True  # type: ignore[attr-defined]
-        return run
+        return aten_executable(sig)
+
+
+def aten_executable(sig: dict[str, Any]) -> Executable:
+    """The executable that is the signature's aten op itself, on host memory (shape classes included:
+    the op serves any shape). The native hit path calls the op directly (`__neuron_aten__`)."""
+    run = build_call(sig, _resolve(sig["op"]))
+    run.__neuron_aten__ = sig["op"]  # type: ignore[attr-defined]
+    if sig.get("writes"):
+        run.__neuron_inplace__ = True  # type: ignore[attr-defined]
+    return run
 
 
 def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
