@@ -60,8 +60,9 @@ def _default_local_dir() -> str:
 
 
 def _default_workers() -> int:
-    """Compile workers of the host's service: half the cores (the training job keeps the others), 1 to 8."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    """Compile workers of the host's service: one per core, 1 to 8. They run at nice 10, so the training
+    job (on the host path until its executables land) keeps the CPU it asks for."""
+    return max(1, min(8, os.cpu_count() or 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Config:
     compile_idle_timeout_s: float = 300.0
     compile_queue: int = 4096
     compile_after: int = 2  # a key is compiled once it was asked for this many times (1: on first sight)
+    compile_batch: int = 8  # signatures a worker compiles in one C++ translation unit at most
     job: str | None = None
     prefetch: bool = True
     # shape classes (docs/dispatch.md): static | generic | auto
@@ -138,6 +140,7 @@ _VARS: dict[str, tuple[str, object]] = {
     "TORCH_NEURONX_COMPILE_IDLE_TIMEOUT": ("compile_idle_timeout_s", float),
     "TORCH_NEURONX_COMPILE_QUEUE": ("compile_queue", int),
     "TORCH_NEURONX_COMPILE_AFTER": ("compile_after", int),
+    "TORCH_NEURONX_COMPILE_BATCH": ("compile_batch", int),
     "TORCH_NEURONX_JOB": ("job", str),
     "TORCH_NEURONX_PREFETCH": ("prefetch", lambda v: _flag(v, True)),
     "TORCH_NEURONX_SHAPES": ("shapes", str.lower),
@@ -211,6 +214,8 @@ def load(env: dict[str, str] | None = None) -> Config:
         raise ConfigError(f"TORCH_NEURONX_SHAPES={cfg.shapes!r}: choose one of {', '.join(_SHAPES)}")
     if cfg.compile_workers < 1:
         raise ConfigError(f"TORCH_NEURONX_COMPILE_WORKERS={cfg.compile_workers}: need at least 1")
+    if cfg.compile_batch < 1:
+        raise ConfigError(f"TORCH_NEURONX_COMPILE_BATCH={cfg.compile_batch}: need at least 1")
     return cfg
 
 

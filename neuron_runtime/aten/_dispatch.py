@@ -231,6 +231,7 @@ class Runtime:
         s["compile_mode"] = self.cfg.compile_mode
         with self.resolver._kinds_lock:
             s["compiles_by_kind"] = dict(self.resolver.compile_kinds)
+        s["compile_phases"] = self.resolver.phase_times.summary()
         s["graphs"] = dict(self.graph_counts, compiles=s["compiles_by_kind"]["graph"])
         bg = self.resolver._background
         if bg is not None:

@@ -21,6 +21,7 @@ from neuron_runtime.cache import CacheError, IntegrityError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, UsageError
 from neuron_runtime.signatures import _shapes
+from neuron_runtime.compiler import PhaseTimes
 
 
 def add_parsers(sub: Any) -> None:
@@ -163,14 +164,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
             if tier.name == "local":
                 t["max_size"] = cfg.cache_max_size
                 t["volume"] = getattr(tier.backend, "volume", lambda: None)()
-            if args.by_op:
+            if args.by_op or tier.name == "local":
+                # The local tier's headers: compile seconds per phase (what each entry's compile cost,
+                # wherever it ran), and with --by-op the entries and bytes per op.
                 by_op: dict[str, dict[str, int]] = {}
+                phases = PhaseTimes(keep=1 << 20)
                 for _, size, _, header, _ in _common.iter_headers(tier):
+                    phases.add((header or {}).get("compile"))
                     op = ((header or {}).get("signature") or {}).get("op") or "(unreadable)"
                     e = by_op.setdefault(op, {"entries": 0, "bytes": 0})
                     e["entries"] += 1
                     e["bytes"] += size
-                t["by_op"] = by_op
+                if args.by_op:
+                    t["by_op"] = by_op
+                if tier.name == "local":
+                    out["compile_phases"] = phases.summary()
             out["tiers"][tier.name] = t
             out["entries"] += t["entries"]
             out["bytes"] += t["bytes"]
@@ -190,6 +198,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(f"{name:<6} {t['entries']:>7} entries {_common.human_size(t['bytes']):>11}  {t['url']}")
         for op, e in sorted(t.get("by_op", {}).items(), key=lambda kv: -kv[1]["bytes"]):
             print(f"         {e['entries']:>5} {_common.human_size(e['bytes']):>11}  {op}")
+    if out.get("compile_phases"):
+        print("compile seconds per phase (local tier's entries): " + "; ".join(
+            f"{k} p50 {v['p50']:.2f} p95 {v['p95']:.2f} (n {v['n']})" for k, v in out["compile_phases"].items()))
     for r in runs:
         if "error" in r:
             print(f"run    {r['file']}: {r['error']}")

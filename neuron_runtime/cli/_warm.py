@@ -267,8 +267,10 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
         n = min(jobs, len(todo))
         print(f"neuron-cache: compiling {len(todo)} signature(s) for tier {cfg.compiler} with {n} worker(s) "
               f"({present} already present)", file=sys.stderr)
+        # Batches (one C++ translation unit each) small enough that the workers finish together.
+        batch = max(1, min(cfg.compile_batch, -(-len(todo) // (2 * n))))
         pool = _Pool(n, worker_env, timeout,
-                     _common.Progress(len(todo), "compile", enabled=not args.no_progress))
+                     _common.Progress(len(todo), "compile", enabled=not args.no_progress), batch=batch)
         results = pool.run([(i, rec.signature or {}) for i, (rec, _) in enumerate(todo)],
                            [rec.signature["op"] if rec.signature else "?" for rec, _ in todo])
 
@@ -366,8 +368,10 @@ class _Pool:
     """N worker processes (`_service._server.WorkerPool`) fed from one queue; a worker that dies or runs
     past --timeout costs only its current signature (reported with the reason) and is replaced."""
 
-    def __init__(self, n: int, env: dict[str, str], timeout: float | None, progress: _common.Progress) -> None:
+    def __init__(self, n: int, env: dict[str, str], timeout: float | None, progress: _common.Progress,
+                 batch: int = 1) -> None:
         self.n = n
+        self.batch = batch
         self.env = env
         self.timeout = timeout
         self.progress = progress
@@ -390,6 +394,12 @@ class _Pool:
             except queue.Empty:
                 return None
 
+        def more_tasks(limit: int) -> list[tuple[int, dict[str, Any]]]:
+            out = []
+            while len(out) < limit and (t := next_task()) is not None:
+                out.append(t)
+            return out
+
         def on_event(kind: str, i: int, answer: dict[str, Any]) -> None:
             if kind != "done":
                 return
@@ -400,7 +410,7 @@ class _Pool:
                     all_done.set()
 
         pool = WorkerPool(self.n, [sys.executable, "-m", "neuron_runtime.executables._service._worker"], self.env,
-                          self.timeout, next_task, on_event)
+                          self.timeout, next_task, on_event, batch=self.batch, more_tasks=more_tasks)
         try:
             while not all_done.wait(0.2) and any(t.is_alive() for t in pool.threads):
                 pass

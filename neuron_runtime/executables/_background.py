@@ -277,6 +277,7 @@ class Background:
             if status == "compiled" and msg.get("caused"):
                 self.resolver.count("compiles")
                 self.resolver.count_kind(job.candidates[-1])
+                self.resolver.phase_times.add(msg.get("phases"))
             found = msg.get("found") or job_key
             keys = [self.resolver.key(c) for c in job.candidates]
             if found not in keys:  # the service answers for another key than we asked: never load it
@@ -407,7 +408,8 @@ class Background:
             argv = [sys.executable, SERVER, "--socket", os.path.join(d.path, name),
                     "--workers", str(self.cfg.compile_workers),
                     "--timeout", str(self.cfg.compile_timeout_s), "--idle-timeout",
-                    str(self.cfg.compile_idle_timeout_s), "--max-queue", str(self.cfg.compile_queue)]
+                    str(self.cfg.compile_idle_timeout_s), "--max-queue", str(self.cfg.compile_queue),
+                    "--batch", str(self.cfg.compile_batch)]
             self.client = ServiceClient(d.at(name), argv, env, lambda m: self._push(("answer", m)))
         except OSError as e:
             self._warn("service", f"neuron: no compile service on this host ({e}); compiling in this process")

@@ -17,7 +17,7 @@ import subprocess
 from typing import Any
 
 from .. import _profiling
-from ..compiler import Compiler, CompileRefused
+from ..compiler import Compiled, Compiler, CompileRefused
 
 REFUSED = "refused"
 
@@ -62,28 +62,32 @@ def transient(e: BaseException) -> str | None:
 
 
 def build_entry(cache: Any, compiler: Compiler, key: str, sig: dict[str, Any], fingerprint: dict[str, Any],
-                producer: str | None = None) -> bytes:
-    """Compile `sig` and pack the envelope for `key`; a refusal becomes a refusal entry."""
+                producer: str | None = None, compiled: Compiled | None = None) -> bytes:
+    """Compile `sig` (unless `compiled` is its result already, e.g. from a batch) and pack the envelope
+    for `key`; a refusal becomes a refusal entry. The header keeps the compile's seconds per phase
+    (`"compile"`: what `neuron-cache stats` reports)."""
     from .. import __version__  # read at call time (not bound at import)
 
+    if compiled is None:
+        with _profiling.compile_span(sig, key):
+            compiled = compiler.compile_many([sig])[0]
     header: dict[str, Any] = {"signature": sig, "fingerprint": fingerprint}
     if producer:
         header["producer"] = producer
-    try:
-        with _profiling.compile_span(sig, key):
-            payload = compiler.compile(sig)
-    except HostRefused:
-        raise
-    except Exception as e:
+    if compiled.phases:
+        header["compile"] = {k: round(v, 4) for k, v in compiled.phases.items()}
+    e = compiled.error
+    if e is not None and not isinstance(e, HostRefused):
         why = transient(e)
         if why is not None:
             raise HostRefused(f"{sig.get('op')}: compile failed on this host ({why}; not cached): "
                               f"{str(e)[:300]}") from e
-        if not isinstance(e, CompileRefused):
-            raise
+    if isinstance(e, CompileRefused) and not isinstance(e, HostRefused):
         header[REFUSED] = str(e)
         header["runtime"] = __version__
         payload = b""
+    else:
+        payload = compiled.unwrap()
     return bytes(cache.pack(key, header, payload))
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import _config, _profiling
 from ..cache import CacheMissError, TieredCache
-from ..compiler import CompileRefused, Compiler, Executable, get_compiler
+from ..compiler import CompileRefused, Compiler, Executable, PhaseTimes, get_compiler
 from ..signatures import _shapes, _signature
 from . import _entries, _megacache
 
@@ -58,6 +58,7 @@ class Resolver:
         self._background: Any = None
         self.seen: dict[str, int] = {}  # background mode: requests of keys not yet queued for compiling
         self.compile_kinds: dict[str, int] = {"op": 0, "fused": 0, "graph": 0}  # compiles this process caused
+        self.phase_times = PhaseTimes()  # seconds per compile phase of those compiles (`stats()`)
         self._kinds_lock = threading.Lock()  # its own: callers may hold the runtime's lock, or the cache's
         self.refused_classes: dict[str, str] = {}  # class key -> why it has no generic executable
         self.unloadable: dict[str, str] = {}  # key -> why this host cannot load or compile it (never cached)
@@ -388,14 +389,18 @@ class Resolver:
             if self.cfg.cache_mode == "strict":
                 raise CacheMissError(digest, self.strict_message(digest, sig))
             with _profiling.compile_span(sig, digest):
-                payload = self.compiler.compile(sig)
+                result = self.compiler.compile_many([sig])[0]
+            self.phase_times.add(result.phases)
+            payload = result.unwrap()
             self.count("compiles")
             self.count_kind(sig)
             return self.compiler.load(payload)
 
         def compile_entry() -> bytes:
             log.info("compiling %s", sig["op"])
-            entry = _entries.build_entry(cache, self.compiler, digest, sig, self.fingerprint)
+            result = self.compiler.compile_many([sig])[0]
+            self.phase_times.add(result.phases)
+            entry = _entries.build_entry(cache, self.compiler, digest, sig, self.fingerprint, compiled=result)
             self.count_kind(sig)
             return entry
 

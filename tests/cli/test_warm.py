@@ -74,6 +74,7 @@ def test_warm_then_strict_job_compiles_nothing(tmp_path: Path, capfd: pytest.Cap
                                      "--run-stats", str(stats), "--json"])
     assert rc == 0 and st["tiers"]["local"]["entries"] == n and st["tiers"]["fleet"]["entries"] == n
     assert st["entries"] == 2 * n and st["bytes"] > 0
+    assert st["compile_phases"]["compile"]["n"] == n  # each entry's header keeps its compile's seconds
     assert st["runs"][0]["compiles"] == 0 and st["runs"][0]["hits"]["fleet"] == n
     assert [w["command"] for w in st["warm_runs"]] == ["warm", "compile"]
 

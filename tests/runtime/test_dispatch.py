@@ -204,6 +204,9 @@ def test_stats_file_written_at_exit(tmp_path) -> None:  # type: ignore[no-untype
     assert s["executions"] >= 1 and s["compiles"] >= 1 and "memory" in s["hits"]
     for k in ("executions", "compiles", "fallbacks", "corrupt"):
         assert isinstance(s[k], int)
+    # seconds per compile phase of this process's compiles (the reference tier has one: `compile`)
+    phases = s["compile_phases"]["compile"]
+    assert phases["n"] == s["compiles"] and 0 <= phases["p50"] <= phases["p95"] <= phases["total"]
 
 
 def test_collect_env() -> None:

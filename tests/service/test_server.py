@@ -67,13 +67,13 @@ def service_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def start_service(tmp_path: Path, **extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+def start_service(tmp_path: Path, *args: str, **extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """A real service (reference workers) on a socket of its own in this user's service directory."""
     d = _client.service_dir()
     path = os.path.join(getattr(d, "path", d), f"test-{os.getpid()}-{tmp_path.name}.sock")
     log = open(tmp_path / "service.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, _client.SERVER, "--socket", path, "--workers", "1",
-                             "--idle-timeout", "2", "--timeout", "120"], env=service_env(tmp_path, **extra), text=True,
+                             "--idle-timeout", "2", "--timeout", "120", *args], env=service_env(tmp_path, **extra), text=True,
                             stderr=log)
     deadline = time.monotonic() + 30
     while not os.path.exists(path):
@@ -266,3 +266,44 @@ def test_the_worker_answers_every_line_and_lives(tmp_path: Path) -> None:
     finally:
         proc.stdin.close()
         assert proc.wait(timeout=60) == 0
+
+
+def test_a_worker_killed_mid_batch_costs_no_key(tmp_path: Path) -> None:
+    """Four signatures queued while the one worker starts go out as one batch; the worker is killed while
+    it compiles the batch's second: a fresh worker compiles each unanswered one again, alone, and every
+    key ends compiled with a whole entry in the local tier."""
+    from neuron_runtime import _config, envelope
+
+    pids = tmp_path / "workers.txt"
+    with start_service(tmp_path, "--batch", "4", NEURON_TEST_COMPILE_DELAY="*=0.5",
+                       NEURON_TEST_WORKER_PIDS=str(pids)) as (path, proc):
+        c = Client(path)
+        jobs = [add_signature(n) for n in (11, 12, 13, 14)]
+        c.send(b"".join(json.dumps({"op": "compile", "key": k, "payload": {"signatures": [sig], "key": k}}).encode()
+                        + b"\n" for k, sig in jobs))
+        deadline = time.monotonic() + 120
+        lines: list[str] = []
+        while len(lines) < 2:
+            assert time.monotonic() < deadline, "the worker never compiled two signatures"
+            lines = pids.read_text().splitlines() if pids.exists() else []
+            time.sleep(0.02)
+        victim = int(lines[0].split()[0])
+        assert int(lines[1].split()[0]) == victim  # one worker, one batch
+        os.kill(victim, 9)
+        answers = [c.until_done(k) for k, _ in jobs]
+        assert [a["status"] for a in answers] == ["compiled"] * 4, answers
+        retried = [ln.split() for ln in pids.read_text().splitlines() if int(ln.split()[0]) != victim]
+        assert len(retried) >= 3 and len({pid for pid, _ in retried}) == 1  # one fresh worker, one at a time
+        cfg = _config.load({"TORCH_NEURONX_COMPILER": "reference",
+                            "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(tmp_path / "local")})
+        from neuron_runtime.cache import TieredCache
+
+        cache = TieredCache.from_config(cfg, {})
+        try:
+            for k, _ in jobs:
+                data, _where = cache.get(k)
+                assert data is not None
+                envelope.unpack(data, expected_key=k, signing_key=None)  # whole and verified
+        finally:
+            cache.close()
+        c.close()

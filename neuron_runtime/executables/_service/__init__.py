@@ -20,9 +20,10 @@ Protocol (client -> service; one JSON object per line, never pickle):
         The service keeps one job per K however many clients ask, and answers each of them:
         {"op": "started", "key": K}
         {"op": "done", "key": K, "status": "compiled"|"present"|"refused"|"failed"|"busy", "found": key,
-         "reason": ..., "seconds": ..., "caused": bool, "entry": base64 (only if the local tier refused it),
+         "reason": ..., "seconds": ..., "phases": {phase: seconds}, "caused": bool,
+         "entry": base64 (only if the local tier refused it),
          "retry_after": seconds (only with "failed" while workers cannot start: ask again after that)}
-    {"op": "status"}                                    -> queued, running, clients, workers, counts
+    {"op": "status"}                                    -> queued, running, clients, workers, ready, counts
 "compiled" and "present" mean the entry `found` is in the tiers (the local tier first); a client uses it
 only if `found` is one of its own candidates for the key (`_background`); "caused" is true
 for the client whose request made the compile (its `stats()["compiles"]` counts it); "busy" means the

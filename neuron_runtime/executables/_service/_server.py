@@ -61,25 +61,32 @@ STATUSES = ("compiled", "present", "refused", "failed")
 # Worker processes
 # --------------------------------------------------------------------------------------------------
 class WorkerPool:
-    """N worker processes, each fed one task at a time by a slot thread; answers are JSON lines.
+    """N worker processes, each fed one task (or one batch of tasks) at a time by a slot thread; answers
+    are JSON lines.
 
     `next_task()` blocks until there is a task `(task_id, payload)` for a slot, or returns None when the
-    pool closes; each task is sent as `{"i": task_id, **payload}`. `on_event(kind, task_id, answer)` is
-    called from the slot threads with kind "started" (a worker took the task) and "done" (its answer, or
-    a "failed" answer saying why). A worker that dies or runs past `timeout` is killed with its process
-    group (the C++ compiler's processes too) and replaced; its task is tried again up to `retries`
-    times, then reported failed with the reason and the tail of the worker's log. A key whose compiles
-    killed `KILLS_TO_REFUSE` workers is answered "failed" at once from then on (it alone: a signature
-    that crashes the compiler, or needs more memory than the host has). A worker that dies before it is
-    ready means workers cannot start right now (a broken environment, no memory): the pool backs off
-    (`BACKOFF_S`, doubling) before it starts another, answers tasks meanwhile "failed" with
-    `retry_after` (their clients ask again later), and is back to normal with the next worker that
-    starts. Nothing here is permanent."""
+    pool closes; each task is sent as `{"i": task_id, **payload}`. With `batch` > 1, the slot then takes
+    up to `batch - 1` more tasks that are already waiting (`more_tasks(limit)`, never blocking) and sends
+    them together, `{"batch": [task, ...]}`: the worker compiles them in one C++ translation unit.
+    `on_event(kind, task_id, answer)` is called from the slot threads with kind "started" (a worker took
+    the task) and "done" (its answer, or a "failed" answer saying why). A worker that dies or runs past
+    `timeout` (per task of its batch) is killed with its process group (the C++ compiler's processes too)
+    and replaced; every task of its batch it had not answered is tried again, one at a time (so a
+    signature that kills workers costs only itself), up to `retries` times, then reported failed with the
+    reason and the tail of the worker's log. A key whose compiles, run alone, killed `KILLS_TO_REFUSE`
+    workers is answered "failed" at once from then on (it alone: a signature that crashes the compiler,
+    or needs more memory than the host has). A worker that dies before it is ready means workers cannot
+    start right now (a broken environment, no memory): the pool backs off (`BACKOFF_S`, doubling) before
+    it starts another, answers tasks meanwhile "failed" with `retry_after` (their clients ask again
+    later), and is back to normal with the next worker that starts. Nothing here is permanent."""
 
     def __init__(self, n: int, argv: list[str], env: dict[str, str], timeout: float | None,
                  next_task: Callable[[], tuple[Any, dict[str, Any]] | None],
-                 on_event: Callable[[str, Any, dict[str, Any]], None], retries: int = 0) -> None:
+                 on_event: Callable[[str, Any, dict[str, Any]], None], retries: int = 0, batch: int = 1,
+                 more_tasks: Callable[[int], list[tuple[Any, dict[str, Any]]]] | None = None) -> None:
         self.n = n
+        self.batch = max(1, batch)
+        self.more_tasks = more_tasks
         self.argv = argv
         self.env = env
         self.timeout = timeout
@@ -89,6 +96,7 @@ class WorkerPool:
         self.lock = threading.Lock()
         self.procs: set[subprocess.Popen[str]] = set()
         self.started = 0
+        self.ready = 0  # workers that said they are ready (imports and warm-up done)
         self.busy = 0
         self.closing = False
         self.down_until = 0.0          # no worker is started before this (monotonic time)
@@ -126,6 +134,7 @@ class WorkerPool:
             timer.cancel()
         if '"ready"' in ready:
             with self.lock:
+                self.ready += 1
                 self.start_failures = 0
                 self.down_until = 0.0
             return proc, log_file
@@ -162,8 +171,10 @@ class WorkerPool:
         except (ProcessLookupError, PermissionError):
             proc.kill()
 
-    def _ask(self, proc: subprocess.Popen[str], task_id: Any, payload: dict[str, Any]) -> tuple[str, bool]:
-        """Send one task, read one answer line ("" if the worker died); True if it was killed for time."""
+    def _ask(self, proc: subprocess.Popen[str], tasks: dict[Any, dict[str, Any]],
+             answered: Callable[[Any, dict[str, Any]], None]) -> tuple[bool, bool]:
+        """Send `tasks` (one line: a task, or a batch) and hand each answer to `answered` as it comes.
+        Returns (every task answered, killed for time); False when the worker died first."""
         assert proc.stdin is not None and proc.stdout is not None
         timed_out = threading.Event()
 
@@ -171,87 +182,131 @@ class WorkerPool:
             timed_out.set()
             self._kill(proc)
 
-        timer = threading.Timer(self.timeout, kill) if self.timeout else None
+        timer = threading.Timer(self.timeout * len(tasks), kill) if self.timeout else None
+        waiting = set(tasks)
         try:
-            proc.stdin.write(json.dumps({"i": task_id, **payload}) + "\n")
+            items = [{"i": i, **p} for i, p in tasks.items()]
+            proc.stdin.write(json.dumps(items[0] if len(items) == 1 else {"batch": items}) + "\n")
             proc.stdin.flush()
             if timer is not None:
                 timer.start()
-            return proc.stdout.readline(), timed_out.is_set()
+            while waiting:
+                line = proc.stdout.readline()
+                if not line:
+                    return False, timed_out.is_set()
+                try:
+                    answer = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(answer, dict) and answer.get("i") in waiting:
+                    waiting.discard(answer["i"])
+                    answered(answer["i"], answer)
+            return True, timed_out.is_set()
         except (OSError, ValueError):
-            return "", timed_out.is_set()
+            return False, timed_out.is_set()
         finally:
             if timer is not None:
                 timer.cancel()
 
     def _slot(self, slot: int) -> None:
-        proc: subprocess.Popen[str] | None = None
-        log_file: IO[str] | None = None
+        state = _SlotState()
         try:
+            # The worker starts before the slot takes a task: its imports and warm-up (seconds) overlap
+            # the first requests, and the tasks that queue up meanwhile go out as one batch.
+            if not self.closing and self.down_until <= time.monotonic():
+                started = self._start(slot)
+                if started is not None:
+                    state.proc, state.log_file = started
             while True:
                 task = self.next_task()
                 if task is None:
                     break
-                task_id, payload = task
-                refused = self.refused.get(task_id)
-                if refused is not None:
-                    self.on_event("done", task_id, {"i": task_id, "status": "failed", "reason": refused})
+                tasks = [task]
+                if self.batch > 1 and self.more_tasks is not None:
+                    tasks += self.more_tasks(self.batch - 1)
+                run = []
+                for task_id, payload in tasks:
+                    refused = self.refused.get(task_id)
+                    if refused is not None:
+                        self.on_event("done", task_id, {"i": task_id, "status": "failed", "reason": refused})
+                    else:
+                        run.append((task_id, payload))
+                if not run:
                     continue
                 with self.lock:
-                    self.busy += 1
-                self.on_event("started", task_id, {"i": task_id})
-                attempt, answer = 0, None
-                t0 = time.monotonic()
-                while answer is None:
-                    if proc is None:
-                        wait = self.down_until - time.monotonic()
-                        if wait > 0:  # backing off: the client asks again later
-                            answer = {"i": task_id, "status": "failed", "reason": self.down_why,
-                                      "retry_after": round(wait, 1)}
-                            break
-                        started = self._start(slot)
-                        if started is None:
-                            continue  # now backing off: answered just above
-                        proc, log_file = started
-                    assert log_file is not None
-                    line, timed_out = self._ask(proc, task_id, payload)
-                    try:
-                        answer = json.loads(line) if line else None
-                    except ValueError:
-                        answer = None
-                    if isinstance(answer, dict):
-                        break
-                    answer = None
-                    rc = proc.wait()
-                    why = (f"timed out after {self.timeout:g} s (worker killed)" if timed_out
-                           else f"compile worker died with status {rc}")
-                    tail = self._tail(log_file)
-                    why = f"{why}; worker log: {tail}" if tail else why
-                    log_file.close()
+                    self.busy += len(run)
+                for task_id, _ in run:
+                    self.on_event("started", task_id, {"i": task_id})
+                try:
+                    self._run_tasks(slot, state, dict(run))
+                finally:
                     with self.lock:
-                        self.procs.discard(proc)
-                        kills = self.kills[task_id] = self.kills.get(task_id, 0) + (not timed_out)
+                        self.busy -= len(run)
+        finally:
+            if state.proc is not None:
+                self._stop(state.proc)
+            if state.log_file is not None:
+                state.log_file.close()
+
+    def _run_tasks(self, slot: int, state: _SlotState, pending: dict[Any, dict[str, Any]]) -> None:
+        """Answer every task of `pending` (see the class docstring: retries one at a time after a death)."""
+        attempts = dict.fromkeys(pending, 0)
+        t0 = time.monotonic()
+
+        def answered(task_id: Any, answer: dict[str, Any]) -> None:
+            pending.pop(task_id, None)
+            if answer.get("status") != "failed":
+                with self.lock:
+                    self.kills.pop(task_id, None)
+            self.on_event("done", task_id, answer)
+
+        solo = False
+        while pending:
+            if state.proc is None:
+                wait = self.down_until - time.monotonic()
+                if wait > 0:  # backing off: the clients ask again later
+                    for task_id in list(pending):
+                        del pending[task_id]
+                        self.on_event("done", task_id, {"i": task_id, "status": "failed", "reason": self.down_why,
+                                                        "retry_after": round(wait, 1)})
+                    return
+                started = self._start(slot)
+                if started is None:
+                    continue  # now backing off: answered just above
+                state.proc, state.log_file = started
+            assert state.log_file is not None
+            send = dict([next(iter(pending.items()))]) if solo else dict(pending)
+            ok, timed_out = self._ask(state.proc, send, answered)
+            if ok:
+                continue
+            rc = state.proc.wait()
+            why = (f"timed out after {self.timeout:g} s (worker killed)" if timed_out
+                   else f"compile worker died with status {rc}")
+            tail = self._tail(state.log_file)
+            why = f"{why}; worker log: {tail}" if tail else why
+            state.log_file.close()
+            with self.lock:
+                self.procs.discard(state.proc)
+            state.proc, state.log_file = None, None  # a fresh worker for the retry or the next task
+            left = [i for i in send if i in pending]
+            for task_id in left:
+                attempts[task_id] += 1
+                kills = 0
+                if len(left) == 1 and not timed_out:  # it alone was running: the death is its own
+                    with self.lock:
+                        kills = self.kills[task_id] = self.kills.get(task_id, 0) + 1
                         while len(self.kills) > MAX_REFUSED_KEYS:
                             self.kills.pop(next(iter(self.kills)))
-                    proc, log_file = None, None  # a fresh worker for the retry or the next task
-                    attempt += 1
-                    if kills >= KILLS_TO_REFUSE:
-                        why = f"its compile killed {kills} compile workers; refused ({why})"
-                        self._refuse(task_id, why)
-                    if attempt > self.retries or kills >= KILLS_TO_REFUSE or self.closing:
-                        tried = f" (tried {attempt} times)" if attempt > 1 else ""
-                        answer = {"i": task_id, "status": "failed", "reason": why + tried,
-                                  "seconds": round(time.monotonic() - t0, 3)}
-                with self.lock:
-                    self.busy -= 1
-                    if answer.get("status") != "failed":
-                        self.kills.pop(task_id, None)
-                self.on_event("done", task_id, answer)
-        finally:
-            if proc is not None:
-                self._stop(proc)
-            if log_file is not None:
-                log_file.close()
+                reason = why
+                if kills >= KILLS_TO_REFUSE:
+                    reason = f"its compile killed {kills} compile workers; refused ({why})"
+                    self._refuse(task_id, reason)
+                if attempts[task_id] > self.retries or kills >= KILLS_TO_REFUSE or self.closing:
+                    tried = f" (tried {attempts[task_id]} times)" if attempts[task_id] > 1 else ""
+                    del pending[task_id]
+                    self.on_event("done", task_id, {"i": task_id, "status": "failed", "reason": reason + tried,
+                                                    "seconds": round(time.monotonic() - t0, 3)})
+            solo = True  # what is left is retried one signature at a time
 
     def _stop(self, proc: subprocess.Popen[str], grace: float = 60.0) -> None:
         """EOF on its stdin ends a worker between tasks; one still busy after `grace` is killed."""
@@ -283,6 +338,14 @@ class WorkerPool:
         for t in self.threads:
             t.join(5)
         shutil.rmtree(self.logs, ignore_errors=True)
+
+
+class _SlotState:
+    """A slot's current worker process and its log."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.log_file: IO[str] | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,7 +429,8 @@ class Server:
     seconds, or on SIGTERM/SIGINT (running compiles get `grace` seconds, queued ones are dropped)."""
 
     def __init__(self, socket_path: str, workers: int, worker_argv: list[str], env: dict[str, str],
-                 timeout: float | None, idle_timeout: float, max_queue: int, grace: float = 30.0) -> None:
+                 timeout: float | None, idle_timeout: float, max_queue: int, grace: float = 30.0,
+                 batch: int = 1) -> None:
         # The socket's directory is checked as the client checks it (a private directory of this user's,
         # no link followed), and the socket is bound and removed through that open directory.
         self.dir = ServiceDir(os.path.dirname(os.path.abspath(socket_path)), create=False)
@@ -385,7 +449,8 @@ class Server:
         self.last_busy = time.monotonic()
         self.counts = {"jobs": 0, "compiled": 0, "present": 0, "refused": 0, "failed": 0, "rejected": 0}
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.pool = WorkerPool(workers, worker_argv, env, timeout, self._next_task, self._on_event, retries=1)
+        self.pool = WorkerPool(workers, worker_argv, env, timeout, self._next_task, self._on_event, retries=1,
+                               batch=batch, more_tasks=self._more_tasks)
 
     # -- queue ---------------------------------------------------------------------------------------
     def _next_task(self) -> tuple[Any, dict[str, Any]] | None:
@@ -401,6 +466,22 @@ class Server:
                     job.state = "running"
                     return key, job.payload
                 self.cv.wait()
+
+    def _more_tasks(self, limit: int) -> list[tuple[Any, dict[str, Any]]]:
+        """Up to `limit` queued jobs, in queue order, without waiting (a worker's batch beyond its first)."""
+        out: list[tuple[Any, dict[str, Any]]] = []
+        with self.cv:
+            # Share what is queued among the workers rather than let the first take a whole batch.
+            queued = sum(j.state == "queued" for j in self.jobs.values())
+            limit = min(limit, -(-queued // self.pool.n))
+            while self.heap and len(out) < limit and not self.stopping:
+                prio, _, key = heapq.heappop(self.heap)
+                job = self.jobs.get(key)
+                if job is None or job.state != "queued" or job.priority != prio:
+                    continue
+                job.state = "running"
+                out.append((key, job.payload))
+        return out
 
     def _on_event(self, kind: str, key: Any, answer: dict[str, Any]) -> None:
         with self.cv:
@@ -446,7 +527,8 @@ class Server:
             with self.cv:
                 state = {"op": "status", "queued": sum(j.state == "queued" for j in self.jobs.values()),
                          "running": sum(j.state == "running" for j in self.jobs.values()),
-                         "clients": len(self.conns), "workers": self.pool.n, "counts": dict(self.counts)}
+                         "clients": len(self.conns), "workers": self.pool.n, "ready": self.pool.ready,
+                         "counts": dict(self.counts)}
             conn.send(state)
         else:
             conn.send({"op": "error", "reason": f"unknown op {op[:64]!r}"})
@@ -583,6 +665,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="seconds one compile may take")
     p.add_argument("--idle-timeout", type=float, default=300.0)
     p.add_argument("--max-queue", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1, help="signatures a worker compiles together at most")
     p.add_argument("--nice", type=int, default=10, help="niceness of the worker processes")
     p.add_argument("--python", default=sys.executable)
     return p
@@ -594,7 +677,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s neuron-compile-service %(levelname)s: %(message)s")
     env = dict(os.environ)
     worker = [args.python, "-m", "neuron_runtime.executables._service._worker", "--nice", str(args.nice)]
-    server = Server(args.socket, max(1, args.workers), worker, env, args.timeout, args.idle_timeout, args.max_queue)
+    server = Server(args.socket, max(1, args.workers), worker, env, args.timeout, args.idle_timeout, args.max_queue,
+                    batch=max(1, args.batch))
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the terminal of the job that started it may go away
