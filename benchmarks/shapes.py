@@ -15,6 +15,12 @@ starts), doing the same work:
     python benchmarks/shapes.py [--tier reference|aoti] [--rounds R] [--steps N] [--cache-dir DIR]
     python benchmarks/shapes.py --kernels [--tier aoti]   # a static vs a generic executable, per op
     python benchmarks/shapes.py --times-only [--tier aoti]  # step 3 alone: one shape, so few compiles
+    python benchmarks/shapes.py --collide [--tier aoti] [--old DIR]  # lengths that collide with the dims
+
+`--collide` (issue 32): a written-out decoder block (hidden 32, 4 heads: head dim 8, MLP 128, vocab 64)
+trained two steps at each of the lengths 8, 12, ..., 36 (batch 2; 8 = the head dim, 2 x 16 = hidden, 32
+= hidden), sync mode, the default shape policy: compiles per length, this checkout and `--old DIR` (a
+git worktree of the code before a change) side by side; `later_vs_first` is the target (<= 0.10).
 
 On `aoti` every compile is real (minutes per policy); --cache-dir keeps the executables between runs.
 Sizes are chosen so that no sequence length, batch size or KV length equals a model dimension: equal sizes
@@ -187,6 +193,65 @@ print("RESULT " + json.dumps(out))
 """
 
 
+COLLIDE = r"""
+import json, os, sys, time, torch
+import neuron_runtime
+torch.set_num_threads(1)
+
+class Block(torch.nn.Module):
+    def __init__(self, vocab=64, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.head = torch.nn.Linear(d, vocab)
+    def forward(self, ids):
+        b, t = ids.shape
+        x = self.emb(ids)
+        h = self.ln1(x)
+        q, k, v = (f(h).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        att = (q @ k.transpose(-2, -1)) / 8 ** 0.5
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=ids.device).triu(1), float("-inf"))
+        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.o(y)
+        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+        return self.head(x)
+
+torch.manual_seed(0)
+model = Block().to("neuron")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+per, secs = [], []
+for t in (8, 12, 16, 20, 24, 28, 32, 36):
+    before, t0 = neuron_runtime.stats()["compiles"], time.perf_counter()
+    for _ in range(2):
+        ids = torch.randint(0, 64, (2, t), device="neuron")
+        loss = torch.nn.functional.cross_entropy(model(ids).reshape(-1, 64), ids.reshape(-1))
+        opt.zero_grad(); loss.backward(); opt.step()
+    per.append(neuron_runtime.stats()["compiles"] - before)
+    secs.append(round(time.perf_counter() - t0, 2))
+    print(f"length {t}: {per[-1]} compiles in {secs[-1]} s", file=sys.stderr, flush=True)
+print("RESULT " + json.dumps({"compiles": per, "seconds": secs, "fallback_ops": neuron_runtime.stats()["fallback_ops"],
+                              "later_vs_first": round(sum(per[1:]) / per[0], 3) if per[0] else None,
+                              "load": os.getloadavg()}))
+"""
+
+
+def collide(tier: str, code: str | None, cache: str) -> dict:  # type: ignore[type-arg]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(TORCH_NEURONX_COMPILER=tier, TORCH_NEURONX_COMPILE_MODE="sync", TORCH_NEURONX_PREFETCH="0",
+               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=cache, OMP_NUM_THREADS="1")
+    if code:
+        env["PYTHONPATH"] = code
+    p = subprocess.run([sys.executable, "-c", COLLIDE], env=env, stdout=subprocess.PIPE, text=True, timeout=4 * 3600,
+                       cwd=code)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        raise SystemExit(f"collide run failed ({p.returncode}); its stderr is above")
+    return json.loads(line[len("RESULT "):])  # type: ignore[no-any-return]
+
+
 def kernels(tier: str, rounds: int) -> dict:  # type: ignore[type-arg]
     """Per op, a static and a generic executable of the same shape called directly, interleaved."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -229,7 +294,17 @@ def main() -> int:
     ap.add_argument("--times-only", action="store_true",
                     help="only the step times at one shape (no sweep of lengths, batch sizes and tokens: "
                          "the static aoti run compiles one shape's signatures, not ~1,000)")
+    ap.add_argument("--collide", action="store_true", help="only the decoder block at lengths that collide with "
+                    "its dims (issue 32): compiles per length")
+    ap.add_argument("--old", help="with --collide: another checkout to run side by side (e.g. a git worktree)")
     args = ap.parse_args()
+    if args.collide:
+        with tempfile.TemporaryDirectory(prefix="neuron-collide-") as tmp:
+            out = {"tier": args.tier, "new": collide(args.tier, None, os.path.join(tmp, "new"))}
+            if args.old:
+                out["old"] = collide(args.tier, args.old, os.path.join(tmp, "old"))
+        print(json.dumps(out, indent=1))
+        return 0
     if args.kernels:
         print(json.dumps({"tier": args.tier, "kernels": kernels(args.tier, args.rounds)}, indent=1))
         return 0

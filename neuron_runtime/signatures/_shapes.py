@@ -3,10 +3,16 @@
 A signature's *class* is the signature with its tensor sizes made symbolic, except what the code of a
 kernel depends on:
   1. sizes 0 and 1 stay literal (empty tensors, broadcasting: a size-1 dim is a different kernel);
-  2. equal sizes share one symbol (`mm`'s inner dims, an elementwise op's operands): a shape where two
-     sizes happen to become equal is another class, never a kernel that assumed them different;
-  3. a size equal to an integer the op takes as a size argument (schema type `SymInt`: a `view`'s target
-     sizes, `normalized_shape`, `num_weights`) stays literal: the kernel is specialised on it anyway;
+  2. sizes share one symbol where the op needs them equal (`mm`'s inner dims, an elementwise op's aligned
+     operand dims, `cat`'s other dims), found from the op's own shape rules (`_needed`): each group of
+     equal sizes is split into the sets that can change together and still be a valid call of the op on
+     `meta` tensors. Sizes that are merely equal (a sequence length that happens to equal the head dim)
+     get symbols of their own, so such a coincidence is never another class. A fused group (its ops'
+     rules interact) and an op without meta kernels keep the older rule: all equal sizes share a symbol;
+  3. a size the op ties to an integer it takes as a size argument (schema type `SymInt`: a `view`'s
+     target sizes, `normalized_shape`, `num_weights`) stays literal: the kernel is specialised on it
+     anyway (found the same way: no set of sizes including it can change; for a fused group, any size
+     equal to such an integer);
   4. the sizes inside a slice's row (dims whose strides come before a stride no product of inner sizes
      explains, e.g. the head dim of `qkv[..., :64]`) stay literal: export bounds them by that stride;
   5. strides are kept as expressions of the sizes (`1`, `s1`, `96*s0`): found as torch's own stride
@@ -27,6 +33,7 @@ class it was compiled and checked for.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import re
@@ -173,25 +180,223 @@ def ranked_class(sig: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
-    fixed = _static_sizes(sig)
+    gaps: set[int] = set()
     for d in _tensors(sig):
-        fixed |= _inside_gaps(list(d["sizes"]), list(d["strides"]))
-    symbol: dict[int, str] = {}
+        gaps |= _inside_gaps(list(d["sizes"]), list(d["strides"]))
+    # Positions (tensor, dim) that may be symbolic: sizes 0 and 1 and sizes inside a slice's row stay.
+    positions = [(t, i) for t, d in enumerate(_tensors(sig)) for i, n in enumerate(d["sizes"])
+                 if n >= 2 and n not in gaps]
+    groups = _needed(sig, positions) if "graph" not in sig else None
+    if groups is None:  # the older rule: equal sizes share a symbol; sizes equal to size arguments stay
+        fixed = _static_sizes(sig)
+        tensors = _tensors(sig)
+        by_value: dict[int, list[tuple[int, int]]] = {}
+        for p in positions:
+            if tensors[p[0]]["sizes"][p[1]] not in fixed:
+                by_value.setdefault(tensors[p[0]]["sizes"][p[1]], []).append(p)
+        groups = list(by_value.values())
+    symbol_of = {p: f"s{k}" for k, group in enumerate(groups) for p in group}
+    if not symbol_of:
+        return None
     cls = _copy({k: v for k, v in sig.items() if k != "example"})
-    for d in _tensors(cls):
+    for t, d in enumerate(_tensors(cls)):
         values = list(d["sizes"])
-        sizes: list[Any] = []
-        for n in values:
-            if n < 2 or n in fixed:
-                sizes.append(n)
-            else:
-                sizes.append(symbol.setdefault(n, f"s{len(symbol)}"))
+        sizes: list[Any] = [symbol_of.get((t, i), n) for i, n in enumerate(values)]
         d["sizes"] = sizes
         d["strides"] = _stride_exprs(sizes, values, list(d["strides"]))
-    if not symbol:
-        return None
     cls["shapes"] = CLASS_VERSION
     return cls
+
+
+# -- rule 2: the equalities an op needs ---------------------------------------------------------------
+_NEEDED_CACHE: dict[str, list[list[int]] | None] = {}
+_NEEDED_CACHE_MAX = 4096
+
+
+def _needed(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[tuple[int, int]]] | None:
+    """The positions grouped by the op's needs (rule 2), in first-position order; positions in no group
+    stay literal (rule 3). None when the op cannot run on `meta` tensors (then the older rule applies).
+
+    Each group of equal sizes is split by probing: a set of positions is *free* when the op still accepts
+    its arguments with those sizes (and nothing else) changed to one new size. The sizes an op ties
+    together form the smallest free set holding any one of them (sets of up to `_SEARCH` are tried, larger
+    ones grown greedily, which at worst ties more sizes than needed: a narrower class, never a wrong one);
+    what no set can free is tied to a constant. A probe is one call of the op's meta kernel (tens of microseconds); results are kept per
+    structure (the signature with its sizes abstracted, and which sizes were equal), so a new sequence
+    length with the same coincidences costs a dictionary lookup."""
+    analytic = _broadcast_groups(sig, positions)
+    if analytic is not None:
+        return analytic
+    # Per signature first (an op running on the host while it compiles asks on every call), then per
+    # structure (a new length with the same coincidences).
+    exact = json.dumps([sig, positions], sort_keys=True, default=str)
+    if exact in _NEEDED_CACHE:
+        found = _NEEDED_CACHE[exact]
+        return None if found is None else [[positions[k] for k in g] for g in found]
+    tensors = _tensors(sig)
+    value = [tensors[t]["sizes"][i] for t, i in positions]
+    split = _copy(sig)
+    for k, (t, i) in enumerate(positions):
+        _tensors(split)[t]["sizes"][i] = f"p{k}"
+    for t, d in enumerate(_tensors(split)):
+        d["strides"] = _stride_exprs(d["sizes"], tensors[t]["sizes"], list(tensors[t]["strides"]))
+    partition = sorted(sorted(k for k, v in enumerate(value) if v == x) for x in set(value))
+    ckey = json.dumps([split, partition], sort_keys=True, default=str)
+    if len(_NEEDED_CACHE) >= _NEEDED_CACHE_MAX:
+        _NEEDED_CACHE.clear()
+    if ckey not in _NEEDED_CACHE:
+        _NEEDED_CACHE[ckey] = _probe_groups(split, value, partition)
+    found = _NEEDED_CACHE[exact] = _NEEDED_CACHE[ckey]
+    if found is None:
+        return None
+    return [[positions[k] for k in g] for g in found]
+
+
+def _broadcast_groups(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[tuple[int, int]]] | None:
+    """Rule 2 without probing, for the ops whose shape rule is broadcasting alone: an elementwise op
+    (`elementwise`) ties the dims its tensors align on (from the right); a `_foreach_` op does so per list
+    element (element i of every list, with any single tensor argument). Sizes 0 and 1 are not positions
+    (they broadcast, or stay literal), so every aligned pair of positions must be equal. None for others."""
+    qualname = str(sig.get("op", ""))
+    foreach = qualname.startswith("aten::_foreach_")
+    if not foreach and not elementwise(qualname):
+        return None
+    from ._ops import OPT_TENSOR, OPT_TENSORS, TENSOR, TENSORS
+
+    # Each tensor's (list element index or None, rank), in `_tensors` order.
+    where: list[tuple[int | None, int]] = []
+    for _, kind, desc in sig["args"]:
+        if kind in (TENSOR, OPT_TENSOR) and _is_tensor(desc):
+            where.append((None, len(desc["sizes"])))
+        elif kind in (TENSORS, OPT_TENSORS):
+            if not foreach:
+                return None
+            where.extend((i, len(d["sizes"])) for i, d in enumerate(desc) if _is_tensor(d))
+    if len(where) != len(_tensors(sig)):
+        return None
+    parent = {p: p for p in positions}
+
+    def find(p: tuple[int, int]) -> tuple[int, int]:
+        while parent[p] != p:
+            parent[p] = parent[parent[p]]
+            p = parent[p]
+        return p
+
+    by_slot: dict[tuple[Any, int], tuple[int, int]] = {}
+    singles: dict[int, tuple[int, int]] = {}
+    for t, i in positions:
+        element, rank = where[t]
+        aligned = rank - i  # 1 = innermost
+        slot_key = (element, aligned)
+        if element is None:
+            first = singles.setdefault(aligned, (t, i))
+            parent[find((t, i))] = find(first)
+        else:
+            first = by_slot.setdefault(slot_key, (t, i))
+            parent[find((t, i))] = find(first)
+    for (element, aligned), p in by_slot.items():  # a single tensor broadcasts against every element
+        if aligned in singles:
+            parent[find(p)] = find(singles[aligned])
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for p in positions:
+        groups.setdefault(find(p), []).append(p)
+    return sorted(groups.values())
+
+
+def _probe_groups(split: dict[str, Any], value: list[int], partition: list[list[int]]) -> list[list[int]] | None:
+    from ._ops import _resolve
+
+    try:
+        op = _resolve(str(split["op"]))
+    except Exception:  # noqa: BLE001 - an op we cannot look up: the older rule
+        return None
+    base = {f"p{k}": v for k, v in enumerate(value)}
+    spare = max(value, default=1) + 1  # a size no position has: a changed size coincides with nothing
+
+    def accepts(changed: list[int]) -> bool:
+        env = dict(base)
+        for k in changed:
+            env[f"p{k}"] = spare + value[k]
+        return _runs_on_meta(op, split, env)
+
+    if not accepts([]):
+        return None
+    groups: list[list[int]] = []
+    for members in partition:
+        open_ = list(members)
+        while open_:
+            p, rest = open_[0], open_[1:]
+            chosen = _smallest_free(p, rest, accepts)
+            if chosen is None:  # no set of up to _SEARCH positions with p can change: grow one greedily
+                chosen = [p]
+                while not accepts(chosen) and rest:
+                    chosen.append(rest.pop(0))
+                if not accepts(chosen):
+                    open_ = open_[1:]  # tied to a constant (a size argument): stays literal
+                    continue
+            groups.append(sorted(chosen))
+            open_ = [k for k in open_ if k not in chosen]
+    return sorted(groups)
+
+
+_SEARCH = 4  # the largest set of equal sizes searched exhaustively for the one an op ties together
+
+
+def _smallest_free(p: int, rest: list[int], accepts: Any) -> list[int] | None:
+    """The smallest set of positions holding `p` (the others from `rest`) that can change together:
+    exactly the sizes the op ties to p's (changing part of them, or them and others, fails or is larger)."""
+    for k in range(min(_SEARCH, len(rest) + 1)):
+        for others in itertools.combinations(rest, k):
+            if accepts([p, *others]):
+                return [p, *others]
+    return None
+
+
+def _runs_on_meta(op: Any, split: dict[str, Any], env: dict[str, int]) -> bool:
+    """Whether the op accepts the signature's arguments with sizes `env`, as `meta` tensors."""
+    import torch
+
+    from ._ops import OPT_TENSOR, OPT_TENSORS, SCALAR, SCALARS, TENSOR, TENSORS, VALUE
+    from ._signature import decode_dtype, decode_value, is_wrapped
+
+    def meta(d: Any) -> Any:
+        if d is None:
+            return None
+        if is_wrapped(d):
+            return {"float": 0.5, "int": 2, "bool": True}.get(d["wrapped"], 2)
+        sizes = [env[n] if isinstance(n, str) else n for n in d["sizes"]]
+        strides = [_evaluate(e, env, 1) for e in d["strides"]]
+        return torch.empty_strided(sizes, strides, dtype=decode_dtype(d["dtype"]), device="meta")
+
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    schema = {a.name: a for a in op._schema.arguments}
+    try:
+        for name, kind, desc in split["args"]:
+            if kind in (TENSOR, OPT_TENSOR):
+                v = meta(desc)
+            elif kind in (TENSORS, OPT_TENSORS):
+                v = [meta(d) for d in desc]
+            elif kind == SCALAR:
+                v = None if desc is None else (0.5 if desc == "float" else True if desc == "bool" else 2)
+            elif kind == SCALARS:
+                v = None if desc is None else [0.5 if t == "float" else 2 for t in desc]
+            elif kind == VALUE:
+                v = decode_value(desc)
+            else:
+                return False
+            a = schema.get(name)
+            if a is None:
+                return False
+            if a.kwarg_only:
+                kwargs[name] = v
+            else:
+                args.append(v)
+        with torch.no_grad():
+            op(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the op rejects these sizes (or cannot run on meta at all)
+        return False
+    return True
 
 
 # -- the rank-collapse rule -------------------------------------------------------------------------
@@ -319,9 +524,19 @@ def instance(cls: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
 
 
 def other_instance(cls: dict[str, Any]) -> dict[str, Any]:
-    """A second exact signature of the class, every symbol one larger than in its example (distinct
-    symbols stay distinct, none becomes 0 or 1): what a compiler's self-check runs besides the example."""
-    return instance(cls, {s: n + 1 for s, n in symbols(cls).items()})
+    """A second exact signature of the class, every symbol larger than in its example and no two symbols
+    equal (symbols whose example sizes coincided become different sizes, none becomes 0 or 1): what a
+    compiler's self-check runs besides the example, so a kernel that silently assumed two of them equal
+    is caught."""
+    env: dict[str, int] = {}
+    used: set[int] = set()
+    for s, n in sorted(symbols(cls).items(), key=lambda kv: (kv[1], kv[0])):
+        v = n + 1
+        while v in used:
+            v += 1
+        env[s] = v
+        used.add(v)
+    return instance(cls, env)
 
 
 def describe(sig: dict[str, Any]) -> str:

@@ -183,9 +183,12 @@ def test_a_fused_group_s_flat_class_serves_every_rank_and_dense_layout(compiled:
 
 
 def test_a_class_export_cannot_keep_generic_is_refused_with_its_reason(aoti_compiler: AotiCompiler) -> None:
-    # view_as_complex needs a last dim of 2, which the class made symbolic: export will not narrow it
+    # view_as_complex needs a last dim of 2. Its class keeps it (the op's meta rejects any other size),
+    # but a class that made it symbolic (as the rule of equal sizes did) is refused: export will not narrow it
     cls = _shapes.shape_class(signature_of("aten::view_as_complex", torch.randn(4, 2))[1])
-    assert cls is not None
+    assert cls is not None and _shapes.describe(cls) == "[s0,2]"
+    desc = cls["args"][0][2]
+    desc["sizes"], desc["strides"] = ["s0", "s1"], ["s1", 1]
     with pytest.raises(CompileRefused, match="export with dynamic dims failed"):
         aoti_compiler.compile(cls)
 
