@@ -15,6 +15,10 @@ before the first case. Cases:
   four_procs       4 processes of one job on one cold host at once: compiles summed vs unique keys, and
                    each process's slowest step (a step that waited for a compile would take seconds)
   variant_wide     bg_cold_w1 on the wide variant (another model size, a new batch every step, .item())
+  llama_new/_old   a Hugging Face LlamaForCausalLM training step (4 layers, hidden 256, vocab 4096,
+                   sequence 128), background mode, default workers: time until no op runs on the host
+                   and the ops refused, this checkout and `--old DIR` (e.g. a git worktree of main before
+                   a change) side by side; llama_small_new/_old: another size (2 layers, hidden 128, GQA)
 """
 
 from __future__ import annotations
@@ -43,13 +47,23 @@ def child(args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     wide = args.variant == "wide"
-    dims = (256, 512, 10) if wide else (32, 64, 10)
-    batch = 128 if wide else 64
-    model = torch.nn.Sequential(torch.nn.Linear(dims[0], dims[1]), torch.nn.GELU(),
-                                torch.nn.Linear(dims[1], dims[2])).to("neuron")
+    llama = LLAMA.get(args.variant)
+    if llama is not None:
+        # A Hugging Face LlamaForCausalLM from a config (no download), trained on random tokens.
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg, (batch, seq) = llama
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to("neuron")
+        x = torch.randint(0, cfg["vocab_size"], (batch, seq), device="neuron")
+        y = x
+    else:
+        dims = (256, 512, 10) if wide else (32, 64, 10)
+        batch = 128 if wide else 64
+        model = torch.nn.Sequential(torch.nn.Linear(dims[0], dims[1]), torch.nn.GELU(),
+                                    torch.nn.Linear(dims[1], dims[2])).to("neuron")
+        x = torch.randn(batch, dims[0], device="neuron")
+        y = torch.randint(0, dims[2], (batch,), device="neuron")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(batch, dims[0], device="neuron")
-    y = torch.randint(0, dims[2], (batch,), device="neuron")
     bg = neuron_runtime.stats().get("background", {})
     prefetched_before = bg.get("prefetched", 0)
     times, host, losses = [], [], []
@@ -62,7 +76,8 @@ def child(args: argparse.Namespace) -> None:
         before = neuron_runtime.stats()["host_runs"]
         ts = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = model(input_ids=x, labels=y).loss if llama is not None else \
+            torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -85,7 +100,19 @@ def child(args: argparse.Namespace) -> None:
         "median_step_ms": round(1000 * sorted(rest)[len(rest) // 2], 3), "compiles": s["compiles"],
         "prefetched_before_first_op": prefetched_before, "background": s.get("background"),
         "hits": s["hits"], "fallback_ops": s["fallback_ops"], "keys": sorted(_dispatch.runtime().by_digest),
-        "loss_last": losses[-1]}))
+        "compile_phases": s.get("compile_phases"), "loss_last": losses[-1],
+        "load_before": json.loads(os.environ.get("NEURON_BENCH_LOAD_BEFORE", "null")), "load_after": os.getloadavg()}))
+
+
+# Llama-style decoders (Hugging Face LlamaForCausalLM from a config): (config, (batch, sequence)).
+LLAMA: dict[str, tuple[dict[str, Any], tuple[int, int]]] = {
+    # DESIGN.md section 9's model: 4 layers, hidden 256, vocab 4096, sequence 128 (5 M parameters)
+    "llama": ({"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256}, (2, 128)),
+    # another size: 2 layers, hidden 128, grouped-query attention, sequence 64
+    "llama_small": ({"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}, (4, 64)),
+}
 
 
 class Case:
@@ -102,10 +129,16 @@ class Case:
         env.update(extra)
         return env
 
-    def run(self, env: dict[str, str], steps: int, variant: str = "demo", max_seconds: float = 3600) -> dict[str, Any]:
+    def run(self, env: dict[str, str], steps: int, variant: str = "demo", max_seconds: float = 3600,
+            code: Path | None = None) -> dict[str, Any]:
+        """One child process; `code`: run another checkout's neuron_runtime (its directory first on
+        PYTHONPATH), e.g. a `git worktree` of the code before a change, for a side-by-side number."""
+        if code is not None:
+            env = dict(env, PYTHONPATH=str(code) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""))
+        env = dict(env, NEURON_BENCH_LOAD_BEFORE=json.dumps(os.getloadavg()))
         r = subprocess.run([sys.executable, __file__, "--child", "--steps", str(steps), "--variant", variant,
                             "--max-seconds", str(max_seconds)], env=env, stdout=subprocess.PIPE, text=True,
-                           timeout=max_seconds + 600)
+                           timeout=max_seconds + 600, cwd=str(code) if code is not None else None)
         if r.returncode != 0:
             raise RuntimeError(f"child failed ({r.returncode})")
         return json.loads(r.stdout.strip().splitlines()[-1])
@@ -131,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tier", default="aoti", choices=["aoti", "reference"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--only", default="", help="comma-separated case names")
+    p.add_argument("--old", help="another checkout (e.g. a git worktree of main before a change): the llama "
+                   "cases run it side by side with this one")
+    p.add_argument("--llama-steps", type=int, default=3, help="steps the llama cases train once all compiled")
+    p.add_argument("--max-seconds", type=float, default=3600, help="give up on a case after this long")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", default="demo", help=argparse.SUPPRESS)
-    p.add_argument("--max-seconds", type=float, default=3600, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         child(args)
@@ -145,8 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"tier": args.tier, "steps": args.steps, "cpus": os.cpu_count(),
                            "load_before": os.getloadavg()}
     # The aoti fingerprint is computed once per torch install (Inductor's import): not part of any case.
-    subprocess.run([sys.executable, "-c", "from neuron_runtime.aten import _dispatch; _dispatch.runtime()"],
-                   env=case.env(root / "fingerprint"), check=True)
+    for code in [None, *([args.old] if args.old else [])]:
+        env = case.env(root / "fingerprint")
+        if code:
+            env["PYTHONPATH"] = code
+        subprocess.run([sys.executable, "-c", "from neuron_runtime.aten import _dispatch; _dispatch.runtime()"],
+                       env=env, check=True, cwd=code)
     try:
         keys: list[str] = []
         if want("sync_cold"):
@@ -217,6 +257,23 @@ def main(argv: list[str] | None = None) -> int:
                                  "max_step_s": [r["max_step_s"] for r in results],
                                  "all_compiled_after_s": [r["all_compiled_after_s"] for r in results]}
             case.wait_services_gone()
+        # A Llama-style training step (and another size), cold, this code and --old side by side.
+        for variant in ("llama", "llama_small"):
+            for who, code in (("old", args.old), ("new", None)):
+                name = f"{variant}_{who}"
+                if not want(name) or (who == "old" and not args.old):
+                    continue
+                print(f"== {name}", file=sys.stderr, flush=True)
+                r = case.run(case.env(root / name, TORCH_NEURONX_JOB=name), args.llama_steps, variant=variant,
+                             max_seconds=args.max_seconds, code=Path(code) if code else None)
+                r.pop("keys")
+                out[name] = r
+                case.wait_services_gone()
+            old_r, new_r = out.get(f"{variant}_old"), out.get(f"{variant}_new")
+            if old_r and new_r and old_r["all_compiled_after_s"] and new_r["all_compiled_after_s"]:
+                out.setdefault("targets_llama", {})[variant] = {
+                    "all_compiled_new_vs_old": round(new_r["all_compiled_after_s"] / old_r["all_compiled_after_s"], 3),
+                    "refused_new": new_r["fallback_ops"], "refused_old": old_r["fallback_ops"]}
         if want("variant_wide"):
             print("== variant_wide", file=sys.stderr, flush=True)
             env = case.env(root / "wide", TORCH_NEURONX_COMPILE_WORKERS="1")

@@ -196,42 +196,17 @@ print("RESULT " + json.dumps(out))
 COLLIDE = r"""
 import json, os, sys, time, torch
 import neuron_runtime
+from _models import Decoder, train_decoder
 torch.set_num_threads(1)
-
-class Block(torch.nn.Module):
-    def __init__(self, vocab=64, d=32, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.emb = torch.nn.Embedding(vocab, d)
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
-        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-        self.head = torch.nn.Linear(d, vocab)
-    def forward(self, ids):
-        b, t = ids.shape
-        x = self.emb(ids)
-        h = self.ln1(x)
-        q, k, v = (f(h).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
-        att = (q @ k.transpose(-2, -1)) / 8 ** 0.5
-        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=ids.device).triu(1), float("-inf"))
-        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1)
-        x = x + self.o(y)
-        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
-        return self.head(x)
-
 torch.manual_seed(0)
-model = Block().to("neuron")
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 per, secs = [], []
-for t in (8, 12, 16, 20, 24, 28, 32, 36):
-    before, t0 = neuron_runtime.stats()["compiles"], time.perf_counter()
-    for _ in range(2):
-        ids = torch.randint(0, 64, (2, t), device="neuron")
-        loss = torch.nn.functional.cross_entropy(model(ids).reshape(-1, 64), ids.reshape(-1))
-        opt.zero_grad(); loss.backward(); opt.step()
-    per.append(neuron_runtime.stats()["compiles"] - before)
-    secs.append(round(time.perf_counter() - t0, 2))
+last = [neuron_runtime.stats()["compiles"], time.perf_counter()]
+def done(t):
+    per.append(neuron_runtime.stats()["compiles"] - last[0])
+    secs.append(round(time.perf_counter() - last[1], 2))
+    last[:] = [neuron_runtime.stats()["compiles"], time.perf_counter()]
     print(f"length {t}: {per[-1]} compiles in {secs[-1]} s", file=sys.stderr, flush=True)
+train_decoder(Decoder(vocab=64, d=32, heads=4).to("neuron"), (8, 12, 16, 20, 24, 28, 32, 36), vocab=64, on_length=done)
 print("RESULT " + json.dumps({"compiles": per, "seconds": secs, "fallback_ops": neuron_runtime.stats()["fallback_ops"],
                               "later_vs_first": round(sum(per[1:]) / per[0], 3) if per[0] else None,
                               "load": os.getloadavg()}))
@@ -242,8 +217,7 @@ def collide(tier: str, code: str | None, cache: str) -> dict:  # type: ignore[ty
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
     env.update(TORCH_NEURONX_COMPILER=tier, TORCH_NEURONX_COMPILE_MODE="sync", TORCH_NEURONX_PREFETCH="0",
                TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=cache, OMP_NUM_THREADS="1")
-    if code:
-        env["PYTHONPATH"] = code
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (code, os.path.dirname(os.path.abspath(__file__)))))
     p = subprocess.run([sys.executable, "-c", COLLIDE], env=env, stdout=subprocess.PIPE, text=True, timeout=4 * 3600,
                        cwd=code)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)

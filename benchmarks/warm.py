@@ -41,6 +41,16 @@ x, y = torch.randn(64, 32, device='neuron'), torch.randint(0, 10, (64,), device=
 opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward(); opt.step()
 """
 
+# Another workload (--workload decoder): a written-out decoder block with AdamW, two steps at each of two
+# lengths (bmm, softmax, layer norm, embedding, foreach; shape classes): ~60 signatures.
+DECODER = """
+import sys, torch
+sys.path.insert(0, __BENCH__)
+from _models import Decoder, train_decoder
+torch.manual_seed(0)
+train_decoder(Decoder(vocab=256, d=64, heads=4).to('neuron'), (12, 20), vocab=256)
+"""
+
 FIRST_STEP = {
     # a tiny inference step: 4 compiled ops (mm, add, relu, sum); fits a cold aoti run in a minute
     "tiny": """
@@ -96,6 +106,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tier", default="aoti", choices=["aoti", "reference"])
     p.add_argument("--ops", type=int, default=8, help="signatures in the speed-up workload (default 8)")
+    p.add_argument("--workload", default="mlp", choices=["mlp", "decoder"],
+                   help="the job whose recorded signatures are compiled (decoder: ~60 signatures)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--first-step-job", default="tiny", choices=sorted(FIRST_STEP))
     p.add_argument("--skip-first-step", action="store_true")
@@ -108,8 +120,9 @@ def main() -> int:
     try:
         # 1. the workload
         full = root / "full.jsonl"
-        job = root / "mlp.py"
-        job.write_text(MLP)
+        job = root / f"{args.workload}.py"
+        job.write_text(MLP if args.workload == "mlp" else
+                       DECODER.replace("__BENCH__", repr(str(Path(__file__).resolve().parent))))
         _run([sys.executable, str(job)], _env(TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_RECORD_FILE=str(full),
                                               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(root / "rec")), "recording")
         lines = full.read_text().splitlines()
@@ -122,6 +135,7 @@ def main() -> int:
             _run(_cli("compile", str(pre), "--tier", args.tier, "--jobs", "1", "--local-dir",
                       str(root / "shared" / "pre"), "--json", "--no-progress"), _env(), "pre-warming the scratch")
         out["manifest_signatures"] = len(lines)
+        out["workload"] = args.workload
         out["workload_signatures"] = min(args.ops, len(lines))
         out["workload_ops"] = [json.loads(x)["op"] for x in lines[: args.ops]]
 

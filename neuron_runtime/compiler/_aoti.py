@@ -210,6 +210,17 @@ class AotiCompiler(Compiler):
 
     def _compile_many(self, signatures: list[dict[str, Any]]) -> list[Compiled]:
         jobs = [_Job(sig) for sig in signatures]
+        self._run(jobs)
+        # Outputs Inductor laid out otherwise than eager: once more, writing them in eager's layout.
+        again = [j for j in jobs if isinstance(j.error, _LayoutMismatch)]
+        for j in again:
+            log.debug("aoti: %s: %s; compiling it again with eager's output layout", j.qualname, j.error)
+            j.__init__(j.signature, phases=j.phases, restride=True)  # type: ignore[misc]
+        if again:
+            self._run(again)
+        return [Compiled(payload=j.payload if j.error is None else None, error=j.error, phases=j.phases) for j in jobs]
+
+    def _run(self, jobs: list[_Job]) -> None:
         # 1. Per signature: trace it and lower it to C++ (or find it needs no C++: a library call).
         for job in jobs:
             try:
@@ -227,29 +238,6 @@ class AotiCompiler(Compiler):
                     self._finish(job)
                 except Exception as e:  # noqa: BLE001 - costs only this signature
                     job.error = e
-        # 4. Outputs Inductor laid out otherwise than eager: once more, writing them in eager's layout.
-        again = [j for j in jobs if isinstance(j.error, _LayoutMismatch) and not j.restride]
-        if again:
-            for j in again:
-                first = j.error
-                j.__init__(j.signature, phases=j.phases, restride=True)  # type: ignore[misc]
-                j.error = None
-                log.debug("aoti: %s: %s; compiling it again with eager's output layout", j.qualname, first)
-            for j in again:
-                try:
-                    self._lower(j)
-                except Exception as e:  # noqa: BLE001
-                    j.error = e
-            units = [j for j in again if j.error is None and j.unit is not None]
-            if units:
-                self._build(units)
-            for j in again:
-                if j.error is None:
-                    try:
-                        self._finish(j)
-                    except Exception as e:  # noqa: BLE001
-                        j.error = e
-        return [Compiled(payload=j.payload if j.error is None else None, error=j.error, phases=j.phases) for j in jobs]
 
     def _lower(self, job: _Job) -> None:
         signature = job.signature

@@ -215,7 +215,7 @@ class HostRuntime:
             (work / "stub").mkdir()
             (work / "op.h").write_text(_units.HEADER)
             (work / "runtime.cpp").write_text("#include <torch/csrc/inductor/aoti_include/cpu.h>\n" + self.interface +
-                                              "\n" + GLUE.read_text())
+                                              "\n" + _units.OP_INFO + GLUE.read_text())
             (work / "stub.c").write_text("/* only the name: see compiler/_runtime.py */\n")
             jobs = {
                 "op.h.gch": [self.cxx, "-x", "c++-header", str(work / "op.h"), *self.unit_flags(), "-w",

@@ -173,7 +173,8 @@ extern "C" __attribute__((visibility("hidden"))) void neuron_op_run_{k}(
 """
 
 
-#: What `NeuronOpInfo` is, for units and the shared runtime alike (also in aoti_runtime.cpp).
+#: What `NeuronOpInfo` is, for units and the shared runtime alike (the runtime's build prepends it to
+#: aoti_runtime.cpp).
 OP_INFO = """\
 struct NeuronOpInfo {
   long n_inputs;

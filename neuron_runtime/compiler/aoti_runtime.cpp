@@ -1,5 +1,6 @@
 // The part of every `aoti` executable that is the same for all ops (compiler/_runtime.py builds it once
-// per host and fingerprint, after AOTInductor's `interface.cpp`, which the build prepends to this file).
+// per host and fingerprint, after AOTInductor's `interface.cpp` and `NeuronOpInfo`, the struct units
+// define their info with (compiler/_units.py OP_INFO), which the build prepends to this file).
 //
 // AOTInductor's runtime (the model container and its C interface, which AOTInductor's runner calls)
 // drives one model class, `AOTInductorModel`, whose constructor and `run_impl` AOTInductor generates per
@@ -8,14 +9,6 @@
 // `neuron_op_run` (the generated `run_impl` body). Both are hidden: an op's .so resolves them to its own
 // unit (the link's `--defsym` picks the unit of a batch), never to another .so's.
 
-struct NeuronOpInfo {
-  long n_inputs;
-  long n_outputs;
-  const char* in_spec;
-  const char* out_spec;
-  const char* const* in_names;
-  const char* const* out_names;
-};
 extern "C" __attribute__((visibility("hidden"))) const NeuronOpInfo* neuron_op_info();
 extern "C" __attribute__((visibility("hidden"))) void neuron_op_run(
     AtenTensorHandle* input_handles, AtenTensorHandle* output_handles, int32_t device_idx,

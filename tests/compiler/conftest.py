@@ -104,3 +104,4 @@ def device_run(aoti_root: Path) -> Iterator[subprocess.Popen[str]]:
             proc.kill()
         proc.communicate()
         shutil.rmtree(local, ignore_errors=True)
+

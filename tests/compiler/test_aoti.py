@@ -22,6 +22,8 @@ from neuron_runtime.compiler._aoti import META_PATH, AotiCompiler, ArtifactMisma
 from neuron_runtime.compiler._reference import build_call
 from neuron_runtime.signatures import _ops, _shapes, _signature
 
+from aoti_helpers import forged
+
 pytestmark = pytest.mark.aoti
 REPO = Path(__file__).resolve().parents[2]
 
@@ -268,18 +270,10 @@ def test_fingerprint_mismatch_refuses_to_load(compiled: dict[str, Compiled], aot
     with pytest.raises(ArtifactMismatch, match="target"):
         other_isa.load(payload)
     # Same ISA, but the artifact claims another torch build.
-    forged = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(payload)) as src, zipfile.ZipFile(forged, "w") as dst:
-        for info in src.infolist():
-            data = src.read(info.filename)
-            if info.filename.endswith(META_PATH):
-                meta = json.loads(data)
-                meta["fingerprint"]["torch"] = "2.0.0"
-                data = json.dumps(meta).encode()
-            dst.writestr(info, data)
+    other_torch = forged(payload, lambda meta: meta["fingerprint"].update(torch="2.0.0"))
     mine = AotiCompiler(local_cache_dir=str(aoti_root / "neff"))
     with pytest.raises(ArtifactMismatch, match="torch"):
-        mine.load(forged.getvalue())
+        mine.load(other_torch)
     with pytest.raises(ArtifactMismatch):
         mine.load(b"not a zip at all")
 

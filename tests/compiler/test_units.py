@@ -3,23 +3,22 @@ compiler/_runtime.py), batches, library calls, and the faults of the shared file
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import stat
 import subprocess
 import sys
 import textwrap
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from neuron_runtime.signatures import _ops, _signature
 from neuron_runtime.compiler import CompileRefused, _runtime, _toolchain, _units
-from neuron_runtime.compiler._aoti import LIBRARY_OPS, META_PATH, AotiCompiler, ArtifactMismatch, _Job, read_meta
+from neuron_runtime.compiler._aoti import LIBRARY_OPS, AotiCompiler, ArtifactMismatch, _Job, read_meta
+from neuron_runtime.signatures import _ops, _signature
+
+from aoti_helpers import forged
 
 pytestmark = pytest.mark.aoti
 
@@ -144,17 +143,8 @@ def test_another_compiler_gets_its_own_shared_files_and_keys(aoti_compiler: Aoti
     other["cxx"] = {"path": str(wrapper), "version": fp["cxx"]["version"]}
     assert _signature.cache_key(sig, other) != _signature.cache_key(sig, fp)
     payload = aoti_compiler.compile(sig)
-    forged = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(payload)) as src, zipfile.ZipFile(forged, "w") as dst:
-        for info in src.infolist():
-            data = src.read(info.filename)
-            if info.filename.endswith(META_PATH):
-                meta = json.loads(data)
-                meta["fingerprint"] = other
-                data = json.dumps(meta).encode()
-            dst.writestr(info, data)
     with pytest.raises(ArtifactMismatch, match="cxx"):
-        aoti_compiler.load(forged.getvalue())
+        aoti_compiler.load(forged(payload, lambda meta: meta.update(fingerprint=other)))
 
 
 def test_the_rewrite_refuses_generated_code_it_does_not_know() -> None:

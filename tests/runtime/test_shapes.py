@@ -4,6 +4,7 @@ tests/compiler/test_aoti.py)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -397,45 +398,15 @@ def test_ranked_class_entries_of_a_runtime_without_flat_classes_still_load(rt: _
     assert _compiles() == 1
 
 
-class _Block(torch.nn.Module):
-    """A written-out decoder block: hidden 32, 4 heads (head dim 8), MLP 128 (what issue 32 measured)."""
-
-    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.emb = torch.nn.Embedding(vocab, d)
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
-        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-        self.head = torch.nn.Linear(d, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        b, t = ids.shape
-        x = self.emb(ids)
-        h = self.ln1(x)
-        q, k, v = (f(h).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
-        att = (q @ k.transpose(-2, -1)) / 8 ** 0.5
-        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=ids.device).triu(1), float("-inf"))
-        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1)
-        x = x + self.o(y)
-        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
-        return self.head(x)
-
-
 def test_lengths_that_collide_with_the_model_s_dims_compile_almost_nothing(rt: _dispatch.Runtime) -> None:
     """Trained at lengths 8 (= the head dim), 12, 16 (batch x length = hidden), ..., 32 (= hidden): after the
     first length, at most 10 % of its compiles again (issue 32 measured 86 % with the older rule)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from _models import Decoder, train_decoder  # the model benchmarks/shapes.py --collide measures on aoti
+
     torch.manual_seed(0)
-    model = _Block().to(DEV)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    per_length = []
-    for t in (8, 12, 16, 20, 24, 28, 32, 36):
-        before = _compiles()
-        for _ in range(2):
-            ids = torch.randint(0, 64, (2, t), device=DEV)
-            loss = torch.nn.functional.cross_entropy(model(ids).reshape(-1, 64), ids.reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        per_length.append(_compiles() - before)
+    counts = [_compiles()]
+    train_decoder(Decoder(vocab=64, d=32, heads=4).to(DEV), (8, 12, 16, 20, 24, 28, 32, 36), vocab=64,
+                  on_length=lambda t: counts.append(_compiles()))
+    per_length = [b - a for a, b in zip(counts, counts[1:])]
     assert per_length[0] > 20 and sum(per_length[1:]) <= 0.1 * per_length[0], per_length
