@@ -296,33 +296,41 @@ def test_refuses_what_it_cannot_compile(aoti_compiler: AotiCompiler) -> None:
 
 def test_loads_in_another_process_without_compiling(compiled: dict[str, Compiled], tmp_path: Path,
                                                     aoti_root: Path) -> None:
-    """Another process (another host, as far as the artifact knows) loads the bytes and runs them."""
+    """Another process on a host that never compiled (an empty scratch: no shared runtime, no compiler
+    needed) loads the bytes and runs them: a unit's .so (the shared runtime linked in) and a library call."""
+    (tmp_path / "add.pt2").write_bytes(compiled["add"].payload)
     (tmp_path / "mm.pt2").write_bytes(compiled["mm"].payload)
+    other = tmp_path / "other-host"
     script = textwrap.dedent(f"""
         import json, statistics, sys, time
         import torch
         from neuron_runtime.compiler._aoti import AotiCompiler
 
-        def no_compile(self, signature):
+        def no_compile(self, signatures):
             raise AssertionError("load must never compile")
-        AotiCompiler.compile = no_compile
-        c = AotiCompiler(local_cache_dir={str(aoti_root / "neff")!r})
+        AotiCompiler.compile_many = no_compile
+        c = AotiCompiler(local_cache_dir={str(other / "neff")!r})
         c.fingerprint()
-        payload = open({str(tmp_path / "mm.pt2")!r}, "rb").read()
+        add = open({str(tmp_path / "add.pt2")!r}, "rb").read()
+        mm = open({str(tmp_path / "mm.pt2")!r}, "rb").read()
         times, exes = [], []
         for _ in range(8):
             t0 = time.perf_counter()
-            exes.append(c.load(payload))
+            exes.append(c.load(add))
             times.append(time.perf_counter() - t0)
-        a, b = torch.randn(16, 8), torch.randn(8, 4)
-        (out,) = exes[-1]([a, b], [])
-        torch.testing.assert_close(out, a @ b)
+        a, b = torch.randn(8, 8), torch.randn(8, 8).t()
+        (out,) = exes[-1]([a, b], [2.5])
+        torch.testing.assert_close(out, a + 2.5 * b)
+        x, y = torch.randn(16, 8), torch.randn(8, 4)
+        (out,) = c.load(mm)([x, y], [])
+        torch.testing.assert_close(out, x @ y)
         print(json.dumps({{"load_ms_p50": statistics.median(times) * 1e3}}))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["load_ms_p50"] < 1000
+    assert not list(other.glob("inductor-*/runtime-*"))  # nothing of the compile path was built there
 
 
 def test_device_end_to_end(device_run: subprocess.Popen[str]) -> None:

@@ -51,6 +51,9 @@ def test_sizes_become_symbols_and_only_sizes_the_op_ties_share_one() -> None:
     # broadcasting ties the aligned dims, nothing else
     assert tensors(ranked_of("aten::add.Tensor", torch.randn(8, 8), torch.randn(8), 1)) == \
         [(["s0", "s1"], ["s1", 1]), (["s1"], [1])]
+    # a foreach op ties element i of each list, dim by dim, and nothing across elements
+    xs, ys = [torch.randn(4, 8), torch.randn(8)], [torch.randn(4, 8), torch.randn(8)]
+    assert _shapes.describe(ranked_of("aten::_foreach_add.List", xs, ys, 1)) == "[s0,s1] [s2] [s0,s1] [s2]"
     # cat ties every dim but the one it joins
     assert _shapes.describe(ranked_of("aten::cat", [torch.randn(2, 8, 8), torch.randn(2, 3, 8)], 1)) == \
         "[s0,s1,s2] [s0,s3,s2]"
