@@ -211,6 +211,7 @@ def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
 # -- rule 2: the equalities an op needs ---------------------------------------------------------------
 _NEEDED_CACHE: dict[str, list[list[int]] | None] = {}
 _NEEDED_CACHE_MAX = 4096
+_UNKNOWN: Any = object()
 
 
 def _needed(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[tuple[int, int]]] | None:
@@ -230,9 +231,9 @@ def _needed(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[
     # Per signature first (an op running on the host while it compiles asks on every call), then per
     # structure (a new length with the same coincidences).
     exact = json.dumps([sig, positions], sort_keys=True, default=str)
-    if exact in _NEEDED_CACHE:
-        found = _NEEDED_CACHE[exact]
-        return None if found is None else [[positions[k] for k in g] for g in found]
+    found = _NEEDED_CACHE.get(exact, _UNKNOWN)  # one lookup: another thread may clear the dict meanwhile
+    if found is not _UNKNOWN:
+        return None if found is None else [[positions[k] for k in g] for g in found]  # type: ignore[union-attr]
     tensors = _tensors(sig)
     value = [tensors[t]["sizes"][i] for t, i in positions]
     split = _copy(sig)
@@ -244,9 +245,10 @@ def _needed(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[
     ckey = json.dumps([split, partition], sort_keys=True, default=str)
     if len(_NEEDED_CACHE) >= _NEEDED_CACHE_MAX:
         _NEEDED_CACHE.clear()
-    if ckey not in _NEEDED_CACHE:
-        _NEEDED_CACHE[ckey] = _probe_groups(split, value, partition)
-    found = _NEEDED_CACHE[exact] = _NEEDED_CACHE[ckey]
+    found = _NEEDED_CACHE.get(ckey, _UNKNOWN)
+    if found is _UNKNOWN:
+        found = _NEEDED_CACHE[ckey] = _probe_groups(split, value, partition)
+    _NEEDED_CACHE[exact] = found
     if found is None:
         return None
     return [[positions[k] for k in g] for g in found]
