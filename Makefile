@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml .ci/constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install -q -c .ci/constraints.txt -e '.[test]'
 	touch $(STAMP)
 
-# The native hit path (C++, built with the host compiler once per torch install; seconds when built).
+# The native hit path (C++, built with the host compiler once per torch install; seconds when built),
+# and the aoti tier's shared runtime (what every compiled op links; ~10 s once per toolchain and torch).
 install: $(STAMP)
 	$(BIN)/python -m neuron_runtime._native
+	$(BIN)/python -m neuron_runtime.compiler
 
 demo: install
 	$(BIN)/python -m neuron_runtime.demo

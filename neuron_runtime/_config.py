@@ -55,6 +55,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "neuron-runtime"
 
 
+def default_aoti_runtime_dir() -> str:
+    """Where the `aoti` tier keeps the runtime every op links (built once per host, toolchain and torch)."""
+    return str(cache_root() / "aoti-runtime")
+
+
 def _default_local_dir() -> str:
     return str(cache_root() / "neff")
 
@@ -87,6 +92,7 @@ class Config:
     # aoti target
     aoti_march: str = "x86-64-v3"
     aoti_simdlen: int | None = None
+    aoti_runtime_dir: str | None = None  # the shared AOTI runtime (compiler/_runtime.py); default below
     # fusion
     concatenation: bool = False
     concatenation_buffer_limit: int = 1024
@@ -129,6 +135,7 @@ _VARS: dict[str, tuple[str, object]] = {
     "TORCH_NEURONX_SINGLE_FLIGHT": ("single_flight", lambda v: _flag(v, True)),
     "TORCH_NEURONX_AOTI_MARCH": ("aoti_march", str),
     "TORCH_NEURONX_AOTI_SIMDLEN": ("aoti_simdlen", int),
+    "TORCH_NEURONX_AOTI_RUNTIME_DIR": ("aoti_runtime_dir", str),
     "TORCH_NEURONX_ENABLE_CONCATENATION": ("concatenation", lambda v: _flag(v, False)),
     "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT": ("concatenation_buffer_limit", int),
     "TORCH_NEURONX_FUSION_MIN_SEEN": ("fusion_min_seen", int),

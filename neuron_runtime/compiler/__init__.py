@@ -26,5 +26,6 @@ def make_compiler(cfg: _config.Config) -> Compiler:
     if cfg.compiler == "aoti":
         from ._aoti import AotiCompiler
 
-        return AotiCompiler(march=cfg.aoti_march, simdlen=cfg.aoti_simdlen, local_cache_dir=cfg.local_cache_dir)
+        return AotiCompiler(march=cfg.aoti_march, simdlen=cfg.aoti_simdlen, local_cache_dir=cfg.local_cache_dir,
+                            runtime_dir=cfg.aoti_runtime_dir)
     return get_compiler(cfg.compiler)

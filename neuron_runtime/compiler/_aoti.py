@@ -152,10 +152,12 @@ class AotiCompiler(Compiler):
     writes_inputs = True
 
     def __init__(self, march: str | None = None, simdlen: int | None = None,
-                 local_cache_dir: str | None = None) -> None:
-        """Target and scratch location default to the configuration (TORCH_NEURONX_AOTI_MARCH,
-        TORCH_NEURONX_AOTI_SIMDLEN, TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR)."""
+                 local_cache_dir: str | None = None, runtime_dir: str | None = None) -> None:
+        """Target, scratch and shared-runtime locations default to the configuration
+        (TORCH_NEURONX_AOTI_MARCH, TORCH_NEURONX_AOTI_SIMDLEN, TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR,
+        TORCH_NEURONX_AOTI_RUNTIME_DIR)."""
         cfg = _config.get()
+        self.runtime_dir = runtime_dir or cfg.aoti_runtime_dir or _config.default_aoti_runtime_dir()
         self.march = march or cfg.aoti_march
         self.simdlen = _toolchain.simdlen_for(self.march, simdlen if simdlen is not None else cfg.aoti_simdlen)
         self.local_cache_dir = local_cache_dir or cfg.local_cache_dir
@@ -203,9 +205,17 @@ class AotiCompiler(Compiler):
             log.debug("aoti: warm-up lowering failed: %s", e)
 
     def host_runtime(self) -> _runtime.HostRuntime:
+        """The shared runtime under `runtime_dir` (per user and host, like the native layer: a new local
+        tier does not build it again), or beside the scratch when that directory cannot be written and
+        holds no usable build (a read-only image layer that does is used as it is)."""
         if self._host is None:
             scratch = self.scratch()
-            self._host = _runtime.HostRuntime(scratch.root, scratch.tmp, _toolchain.pins(self.march, self.simdlen))
+            pinned = _toolchain.pins(self.march, self.simdlen)
+            host = _runtime.HostRuntime(Path(self.runtime_dir), scratch.tmp, pinned)
+            if not host.usable():
+                log.info("aoti: %s is not writable; the shared runtime goes to %s", self.runtime_dir, scratch.root)
+                host = _runtime.HostRuntime(scratch.root, scratch.tmp, pinned)
+            self._host = host
         return self._host
 
     def _compile_many(self, signatures: list[dict[str, Any]]) -> list[Compiled]:

@@ -4,7 +4,7 @@ An op's `.so` is AOTInductor's runtime (the model container and its C interface,
 runner loads) linked with the op's own unit (`_units.py`: its kernels and `run_impl`). The runtime is the
 same for every op, so it is compiled once, with two other things every op build needs:
 
-    <scratch>/runtime-<recipe>/
+    $XDG_CACHE_HOME/neuron-runtime/aoti-runtime/runtime-<recipe>/   (TORCH_NEURONX_AOTI_RUNTIME_DIR)
         op.h, op.h.gch        the header every unit includes, precompiled (~150 MB; 0.3 s of g++ per
                               translation unit to load, where parsing it costs 1.8 s)
         runtime.cpp, .o       AOTInductor's interface.cpp + aoti_runtime.cpp (the model class's members)
@@ -16,7 +16,11 @@ same for every op, so it is compiled once, with two other things every op build 
 `recipe` hashes everything the files are made from (the compiler, its flags, the header, interface.cpp,
 the glue), so another toolchain or neuron-runtime version builds beside, never over, these files.
 
-Trust: the directory is host-private (beside the local tier, 0o700). Each file is checked against the
+Like the native layer it is built once per user, host, toolchain and torch, not once per local tier
+(`make install` builds it: `python -m neuron_runtime.compiler`); where that directory cannot be written
+and holds no usable build, it goes beside the scratch (`_aoti.AotiCompiler.host_runtime`).
+
+Trust: the directory is host-private (the user's cache directory, 0o700). Each file is checked against the
 manifest before use (runtime.o and the stub on every build; the 150 MB header once per process and again
 whenever it changes on disk); a missing, half-written or corrupt file is rebuilt, never used. Builders
 take an exclusive `flock` on the directory, so two processes starting at once build once and both use
@@ -147,6 +151,16 @@ class HostRuntime:
             return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
         except OSError:
             return path
+
+    def usable(self) -> bool:
+        """Whether this directory can serve: its files verify already, or it can be created and written."""
+        if not self._bad():
+            return True
+        try:
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            return False
+        return os.access(self.dir, os.W_OK)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

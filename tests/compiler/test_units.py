@@ -92,10 +92,11 @@ def test_two_processes_build_the_shared_runtime_once_and_a_bad_file_is_rebuilt(t
     """Two processes start on an empty host at once: one builds the shared files, both use them. Then the
     runtime object is cut in half (a build killed mid-write): the next compile finds it bad by its digest,
     rebuilds that file alone, and what it links is a working executable."""
+    runtime = tmp_path / "runtime"  # an empty host: no shared runtime yet
     script = textwrap.dedent(f"""
         import json, sys
         from neuron_runtime.compiler._aoti import AotiCompiler
-        c = AotiCompiler(local_cache_dir={str(tmp_path / 'neff')!r})
+        c = AotiCompiler(local_cache_dir={str(tmp_path / 'neff')!r}, runtime_dir={str(runtime)!r})
         host = c.host_runtime()
         host.ensure()
         print(json.dumps({{"builds": host.builds, "dir": str(host.dir)}}))
@@ -113,7 +114,7 @@ def test_two_processes_build_the_shared_runtime_once_and_a_bad_file_is_rebuilt(t
     obj = shared / "runtime.o"
     data = obj.read_bytes()
     obj.write_bytes(data[: len(data) // 2])
-    compiler = AotiCompiler(local_cache_dir=str(tmp_path / "neff"))
+    compiler = AotiCompiler(local_cache_dir=str(tmp_path / "neff"), runtime_dir=str(runtime))
     x = torch.randn(9)
     exe = compiler.load(compiler.compile(sig_of("aten::neg", x)))
     torch.testing.assert_close(exe([x], [])[0], -x)
@@ -133,7 +134,7 @@ def test_another_compiler_gets_its_own_shared_files_and_keys(aoti_compiler: Aoti
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     mine = aoti_compiler.host_runtime()
     pinned = _toolchain.pins(aoti_compiler.march, aoti_compiler.simdlen)
-    theirs = _runtime.HostRuntime(aoti_compiler.scratch().root, aoti_compiler.scratch().tmp,
+    theirs = _runtime.HostRuntime(mine.dir.parent, aoti_compiler.scratch().tmp,
                                   {**pinned, "cpp.cxx": (None, str(wrapper))})  # what CXX sets at import
     assert theirs.cxx == str(wrapper) and theirs.dir != mine.dir
 
