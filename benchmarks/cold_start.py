@@ -4,7 +4,9 @@
 
 Each case is a new process (`--child`) training `make demo`'s model (or `--variant wide`: a bigger MLP,
 a new batch every step) on a fresh local cache *and* fresh Inductor scratch (precompiled headers, TMPDIR),
-so every compile is an honest cold one. The aoti fingerprint, kept once per torch install, is computed
+so every compile is an honest cold one. The aoti tier's shared runtime (what every op links) is the
+host's, as `make install` leaves it; `--cold-runtime` gives every case an empty one as well (a host that
+never ran `make install`: the first compile builds it). The aoti fingerprint, kept once per torch install, is computed
 before the first case. Cases:
   sync_cold        TORCH_NEURONX_COMPILE_MODE=sync: the first step compiles every signature
   bg_cold_w1/_w2   background mode with 1 / 2 compile workers: first step, time until no op runs on the
@@ -116,15 +118,18 @@ LLAMA: dict[str, tuple[dict[str, Any], tuple[int, int]]] = {
 
 
 class Case:
-    def __init__(self, root: Path, tier: str) -> None:
+    def __init__(self, root: Path, tier: str, cold_runtime: bool = False) -> None:
         self.root = root
         self.tier = tier
+        self.cold_runtime = cold_runtime
 
     def env(self, local: Path, **extra: str) -> dict[str, str]:
         # The local tier's parent holds Inductor's scratch (precompiled headers): a fresh parent is a cold host.
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
         env.update(TORCH_NEURONX_COMPILER=self.tier, TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(local / "neff"),
                    TORCH_NEURONX_COMPILE_IDLE_TIMEOUT="5", OMP_NUM_THREADS="1", TMPDIR=str(local / "tmp"))
+        if self.cold_runtime:
+            env["TORCH_NEURONX_AOTI_RUNTIME_DIR"] = str(local / "aoti-runtime")
         (local / "tmp").mkdir(parents=True, exist_ok=True)
         env.update(extra)
         return env
@@ -135,6 +140,7 @@ class Case:
         PYTHONPATH), e.g. a `git worktree` of the code before a change, for a side-by-side number."""
         if code is not None:
             env = dict(env, PYTHONPATH=str(code) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""))
+            env.pop("TORCH_NEURONX_AOTI_RUNTIME_DIR", None)  # not a setting of the other checkout
         env = dict(env, NEURON_BENCH_LOAD_BEFORE=json.dumps(os.getloadavg()))
         r = subprocess.run([sys.executable, __file__, "--child", "--steps", str(steps), "--variant", variant,
                             "--max-seconds", str(max_seconds)], env=env, stdout=subprocess.PIPE, text=True,
@@ -167,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--old", help="another checkout (e.g. a git worktree of main before a change): the llama "
                    "cases run it side by side with this one")
     p.add_argument("--llama-steps", type=int, default=3, help="steps the llama cases train once all compiled")
+    p.add_argument("--cold-runtime", action="store_true",
+                   help="an empty aoti shared runtime per case too (a host that never ran make install)")
     p.add_argument("--max-seconds", type=float, default=3600, help="give up on a case after this long")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", default="demo", help=argparse.SUPPRESS)
@@ -177,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     only = set(filter(None, args.only.split(",")))
     want = (lambda name: not only or name in only)  # noqa: E731
     root = Path(tempfile.mkdtemp(prefix="neuron-cold-start-"))
-    case = Case(root, args.tier)
-    out: dict[str, Any] = {"tier": args.tier, "steps": args.steps, "cpus": os.cpu_count(),
+    case = Case(root, args.tier, args.cold_runtime)
+    out: dict[str, Any] = {"tier": args.tier, "steps": args.steps, "cpus": os.cpu_count(), "cold_runtime": args.cold_runtime,
                            "load_before": os.getloadavg()}
     # The aoti fingerprint is computed once per torch install (Inductor's import): not part of any case.
     for code in [None, *([args.old] if args.old else [])]:
