@@ -234,6 +234,10 @@ _KERNELS_LINE = "[[maybe_unused]] auto& kernels = static_cast<AOTInductorModelKe
 # The input checks AOTInductor generates (run only under AOTI_RUNTIME_CHECK_INPUTS): dropped, see Unit.
 _CHECK_FN = re.compile(r"AOTI_NOINLINE static void (?:check_input_\d+|__check_inputs_outputs)\(")
 _CHECK_ENV_FN = "static bool _check_aoti_runtime_check_inputs_env() {"
+# The device headers a wrapper starts with (ours replaces them): cpu.h, or common.h when the graph has no
+# device at all (`zero` of an empty tensor: no kernel, only an allocation).
+_DEVICE_HEADERS = ("#include <torch/csrc/inductor/aoti_include/cpu.h>",
+                   "#include <torch/csrc/inductor/aoti_include/common.h>")
 # AOTInductor declares every kernel before the model (the unit defines them first instead).
 _KERNEL_DECL = re.compile(r'extern "C"\s+void\s+\w+\([^;{}]*\);')
 
@@ -259,7 +263,7 @@ def unit(g: Generated) -> Unit:
     includes: list[str] = []
     for line in _KERNEL_DECL.sub("", head + top).splitlines():
         s = line.strip()
-        if not s or s.startswith("//") or s == "#include <torch/csrc/inductor/aoti_include/cpu.h>":
+        if not s or s.startswith("//") or s in _DEVICE_HEADERS:
             continue
         if s.startswith("CACHE_TORCH_"):
             cache_lines.append(s)
