@@ -127,7 +127,7 @@ def test_two_processes_build_the_shared_runtime_once_and_a_bad_file_is_rebuilt(t
 def test_another_compiler_gets_its_own_shared_files_and_keys(aoti_compiler: AotiCompiler, tmp_path: Path) -> None:
     """A host whose C++ compiler differs: its shared runtime lives in another directory (never this
     compiler's header or object), its fingerprint, hence every key, differs, and an artifact claiming
-    the other compiler is refused at load."""
+    the other compiler (or another torch, or format 1) is refused at load."""
     wrapper = tmp_path / "bin" / "g++"
     wrapper.parent.mkdir()
     wrapper.write_text('#!/bin/sh\nexec g++ "$@"\n')
@@ -138,14 +138,19 @@ def test_another_compiler_gets_its_own_shared_files_and_keys(aoti_compiler: Aoti
                                   {**pinned, "cpp.cxx": (None, str(wrapper))})  # what CXX sets at import
     assert theirs.cxx == str(wrapper) and theirs.dir != mine.dir
 
+    # Another compiler, another torch build, an artifact of format 1: another key (a miss), and the
+    # artifact itself, offered anyway (a manifest, a Mega-Cache bundle), is refused naming the field.
     sig = sig_of("aten::neg", torch.randn(5))
     fp = aoti_compiler.fingerprint()
-    other = json.loads(json.dumps(fp))
-    other["cxx"] = {"path": str(wrapper), "version": fp["cxx"]["version"]}
-    assert _signature.cache_key(sig, other) != _signature.cache_key(sig, fp)
     payload = aoti_compiler.compile(sig)
-    with pytest.raises(ArtifactMismatch, match="cxx"):
-        aoti_compiler.load(forged(payload, lambda meta: meta.update(fingerprint=other)))
+    for field, value in (("cxx", {"path": str(wrapper), "version": fp["cxx"]["version"]}),
+                         ("torch_git", "0" * 40), ("format", 1)):
+        other = {**json.loads(json.dumps(fp)), field: value}
+        assert _signature.cache_key(sig, other) != _signature.cache_key(sig, fp), field
+        with pytest.raises(ArtifactMismatch, match=field):
+            aoti_compiler.load(forged(payload, lambda meta: meta.update(fingerprint=other)))  # noqa: B023
+    x = torch.randn(5)
+    torch.testing.assert_close(aoti_compiler.load(payload)([x], [])[0], -x)  # this host's own still loads
 
 
 def test_the_rewrite_refuses_generated_code_it_does_not_know() -> None:
