@@ -20,7 +20,8 @@ Method (JSON on stdout, progress on stderr; the machine's load printed with ever
                 alternating for --rounds: once every worker said it is ready, all signatures are asked
                 for at once; compiles/s from the first request to the last answer, and the ratio.
   3. Load (ms, from bytes) and the call cost of a 64-float `add` through `loader.run(list)` vs native
-     `torch.add`, interleaved rounds, medians (OMP_NUM_THREADS=1).
+     `torch.add`, interleaved rounds, medians (OMP_NUM_THREADS=1); with --old, each checkout's add `.so`
+     called through AOTInductor's runner in one process, interleaved (`call_add64_so`: new_over_old).
 """
 
 from __future__ import annotations
@@ -117,6 +118,18 @@ else:
                 payloads.append(None); r.error = e
         record(s, time.perf_counter() - t, r)
 out = {"warm_s": round(warm_s, 2), "rows": rows}
+if mode == "single":  # a 64-float add's .so, for the call A/B of the two checkouts in one process (main)
+    import io, zipfile
+    try:
+        from neuron_runtime.signatures import _ops, _signature
+    except ImportError:  # a checkout before the four layers
+        from neuron_runtime import _ops, _signature
+    with zipfile.ZipFile(io.BytesIO(c.compile(_signature.build(_ops.classify("aten::add.Tensor"),
+                                                               (torch.randn(64), torch.randn(64), 1))))) as z:
+        so = [n for n in z.namelist() if n.endswith(".so")]
+        out["add64_so"] = os.path.join(local, "add64.so")
+        with open(out["add64_so"], "wb") as f:
+            f.write(z.read(so[0]))
 if mode == "single" and hasattr(c, "compile_many"):
     loads = []
     for p in payloads:
@@ -271,6 +284,41 @@ def run_service(workers: int, sigs: list[dict[str, Any]], local: Path, batch: in
             "load_after": os.getloadavg()}
 
 
+CALL = r"""
+import json, os, statistics, sys, time
+import torch
+torch.set_num_threads(1)
+runners = {name: torch._C._aoti.AOTIModelContainerRunnerCpu(path, 1) for name, path in json.loads(sys.argv[1]).items()}
+a, b = torch.randn(64), torch.randn(64)
+ins = [a, b, torch.tensor(1)]
+for r in runners.values():
+    assert torch.equal(r.run(ins)[0], a + b)
+def us(fn, n=20000):
+    t = time.perf_counter()
+    for _ in range(n): fn()
+    return (time.perf_counter() - t) / n * 1e6
+times = {name: [] for name in [*runners, "native"]}
+for _ in range(9):  # interleaved rounds
+    for name, r in runners.items():
+        times[name].append(us(lambda: r.run(ins)))
+    times["native"].append(us(lambda: torch.add(a, b, alpha=1)))
+out = {f"{name}_us": round(statistics.median(v), 3) for name, v in times.items()}
+if "old" in runners:
+    out["new_over_old"] = round(statistics.median([n / o for n, o in zip(times["new"], times["old"])]), 3)
+print(json.dumps(out))
+"""
+
+
+def run_call(sos: dict[str, str]) -> dict[str, Any]:
+    """The runner's call of a 64-float add's .so from each checkout, in one process, interleaved rounds
+    (the .so is what the native hit path calls; medians of 9 rounds of 20,000 calls)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    load_before = os.getloadavg()
+    r = subprocess.run([sys.executable, "-c", CALL, json.dumps(sos)], env=env, stdout=subprocess.PIPE, text=True,
+                       check=True)
+    return {**json.loads(r.stdout.strip().splitlines()[-1]), "load_before": load_before, "load_after": os.getloadavg()}
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in rows if r["error"] is None]
     secs = sorted(r["s"] for r in ok)
@@ -335,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         out[mode] = {**summarize(r["rows"]), **{k: v for k, v in r.items() if k != "rows"}, "rows": r["rows"]}
         print(f"   {mode}: median {out[mode]['median_s']} s, p95 {out[mode]['p95_s']} s, load {r['load_after'][0]:.2f}",
               file=sys.stderr, flush=True)
+    sos = {name: out[mode]["add64_so"] for name, mode in (("new", "single"), ("old", "old")) if mode in out}
+    if sos:
+        print("== call of a 64-float add's .so", file=sys.stderr, flush=True)
+        out["call_add64_so"] = run_call(sos)
     if "old" in out and "single" in out and out["old"]["median_s"]:
         out["single_vs_old_median"] = round(out["single"]["median_s"] / out["old"]["median_s"], 3)
     print(json.dumps(out, indent=1))
