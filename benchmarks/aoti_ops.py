@@ -127,6 +127,7 @@ if mode == "single":  # a 64-float add's .so, for the call A/B of the two checko
     with zipfile.ZipFile(io.BytesIO(c.compile(_signature.build(_ops.classify("aten::add.Tensor"),
                                                                (torch.randn(64), torch.randn(64), 1))))) as z:
         so = [n for n in z.namelist() if n.endswith(".so")]
+        os.makedirs(local, exist_ok=True)
         out["add64_so"] = os.path.join(local, "add64.so")
         with open(out["add64_so"], "wb") as f:
             f.write(z.read(so[0]))
@@ -373,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[n].append(run_service(n, sigs, root / "new" / f"neff-service-{n}-{r}-{time.time_ns()}", args.batch))
         med = {n: statistics.median(x["compiles_per_s"] for x in v) for n, v in runs.items()}
         out["service"] = {"runs": runs, "compiles_per_s_median": med, "two_vs_one": round(med[2] / med[1], 3)}
+        print(f"   service: {json.dumps(out['service'])}", file=sys.stderr, flush=True)  # kept if a later case fails
     for mode in modes:
         code = Path(args.old) if mode == "old" else REPO
         print(f"== {mode} ({code})", file=sys.stderr, flush=True)
