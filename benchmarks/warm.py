@@ -15,7 +15,7 @@ Method (JSON on stdout, progress on stderr; every measured thing is a separate p
 The tier is `aoti` unless --tier says otherwise (`reference` runs in seconds but compiles nothing real);
 the JSON states it, the CPU count and the load average, because this host is shared.
 
-    python benchmarks/warm.py [--tier aoti|reference] [--ops 8] [--rounds 1] [--first-step-job tiny|mlp]
+    python benchmarks/warm.py [--tier aoti|reference] [--workload mlp|decoder] [--ops N] [--rounds 1] [--first-step-job tiny|mlp]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward(); opt.
 """
 
 # Another workload (--workload decoder): a written-out decoder block with AdamW, two steps at each of two
-# lengths (bmm, softmax, layer norm, embedding, foreach; shape classes): ~60 signatures.
+# lengths (bmm, softmax, layer norm, embedding, foreach; shape classes): 34 signatures.
 DECODER = """
 import sys, torch
 sys.path.insert(0, __BENCH__)
@@ -105,9 +105,9 @@ def _cli(*args: str) -> list[str]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tier", default="aoti", choices=["aoti", "reference"])
-    p.add_argument("--ops", type=int, default=8, help="signatures in the speed-up workload (default 8)")
+    p.add_argument("--ops", type=int, help="signatures in the speed-up workload (default: 8 of mlp, all of decoder)")
     p.add_argument("--workload", default="mlp", choices=["mlp", "decoder"],
-                   help="the job whose recorded signatures are compiled (decoder: ~60 signatures)")
+                   help="the job whose recorded signatures are compiled (decoder: 34 signatures)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--first-step-job", default="tiny", choices=sorted(FIRST_STEP))
     p.add_argument("--skip-first-step", action="store_true")
@@ -123,9 +123,14 @@ def main() -> int:
         job = root / f"{args.workload}.py"
         job.write_text(MLP if args.workload == "mlp" else
                        DECODER.replace("__BENCH__", repr(str(Path(__file__).resolve().parent))))
+        # sync mode, as `neuron-cache warm` records: a signature is recorded when its executable is loaded,
+        # which in background mode may come after a short job has ended
         _run([sys.executable, str(job)], _env(TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_RECORD_FILE=str(full),
+                                              TORCH_NEURONX_COMPILE_MODE="sync",
                                               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(root / "rec")), "recording")
         lines = full.read_text().splitlines()
+        if args.ops is None:
+            args.ops = 8 if args.workload == "mlp" else len(lines) - 1  # the last one pre-warms the scratch
         manifest = root / "manifest.jsonl"
         manifest.write_text("\n".join(lines[: args.ops]) + "\n")
         out["scratch"] = "fresh per run" if args.cold_scratch else "shared, pre-warmed"
