@@ -15,7 +15,9 @@ Method (JSON on stdout, progress on stderr; the machine's load printed with ever
        batch    the same signatures queued, compiled --batch at a time (`compile_many`: one C++
                 translation unit per batch, what a service worker does with a queue);
        old      `single` on the checkout in --old (e.g. a `git worktree` of main before this change).
-     Per signature: wall seconds; median, p95, per kind; the new code's seconds per phase (p50/p95).
+     Per signature: wall seconds and CPU seconds (the process and its compilers: on a host whose load
+     stretches wall time, the CPU seconds are what an idle core would take); median, p95, per kind; the
+     new code's seconds per phase (p50/p95).
        service  the host's compile service (a real `_server.py` process) with 1 and with 2 workers,
                 alternating for --rounds: once every worker said it is ready, all signatures are asked
                 for at once; compiles/s from the first request to the last answer, and the ratio.
@@ -90,22 +92,26 @@ else:  # the old code: one throwaway compile pays the process's imports and head
     c.compile(_signature.build(_ops.classify("aten::add.Tensor"), (torch.zeros(3), torch.zeros(3), 1)))
 warm_s = time.perf_counter() - t0
 rows, payloads = [], []
-def record(sig, dt, res):
+import resource
+def cpu():  # CPU seconds of this process and of the compilers it waited for (g++, ld)
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+def record(sig, dt, res, cpu_s):
     err = None if res is None or getattr(res, "error", None) is None else str(res.error)[:200]
-    rows.append({"op": sig["op"], "s": round(dt, 3), "error": err,
+    rows.append({"op": sig["op"], "s": round(dt, 3), "cpu_s": round(cpu_s, 3), "error": err,
                  "phases": {k: round(v, 4) for k, v in getattr(res, "phases", {}).items()}})
 if mode == "batch":
     for i in range(0, len(sigs), batch):
         chunk = sigs[i:i + batch]
-        t = time.perf_counter()
+        t, t_cpu = time.perf_counter(), cpu()
         res = c.compile_many(chunk)
-        dt = (time.perf_counter() - t) / len(chunk)
+        dt, dt_cpu = (time.perf_counter() - t) / len(chunk), (cpu() - t_cpu) / len(chunk)
         for s, r in zip(chunk, res):
-            record(s, dt, r)
+            record(s, dt, r, dt_cpu)
             payloads.append(r.payload)
 else:
     for s in sigs:
-        t = time.perf_counter()
+        t, t_cpu = time.perf_counter(), cpu()
         if hasattr(c, "compile_many"):
             r = c.compile_many([s])[0]
             payloads.append(r.payload)
@@ -116,7 +122,7 @@ else:
                 payloads.append(c.compile(s)); r.error = None
             except Exception as e:
                 payloads.append(None); r.error = e
-        record(s, time.perf_counter() - t, r)
+        record(s, time.perf_counter() - t, r, cpu() - t_cpu)
 out = {"warm_s": round(warm_s, 2), "rows": rows}
 if mode == "single":  # a 64-float add's .so, for the call A/B of the two checkouts in one process (main)
     import io, zipfile
@@ -333,6 +339,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "n": len(rows), "compiled": len(ok), "refused": [(r["op"], r["error"]) for r in rows if r["error"]],
         "median_s": round(statistics.median(secs), 3) if secs else None,
+        # CPU seconds (Python + the compilers): what the wall time is on an idle core, on a loaded host
+        "median_cpu_s": round(statistics.median(r["cpu_s"] for r in ok), 3) if ok else None,
+        "p95_cpu_s": round(sorted(r["cpu_s"] for r in ok)[min(len(ok) - 1, int(0.95 * len(ok)))], 3) if ok else None,
         "p95_s": round(secs[min(len(secs) - 1, int(0.95 * len(secs)))], 3) if secs else None,
         "by_kind_median_s": {k: round(statistics.median(v), 3) for k, v in sorted(by_kind.items())},
         "phases": {k: {"p50": round(statistics.median(v), 3), "p95": round(sorted(v)[int(0.95 * (len(v) - 1))], 3)}
@@ -383,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         for row, k in zip(r["rows"], kinds):
             row["kind"] = k
         out[mode] = {**summarize(r["rows"]), **{k: v for k, v in r.items() if k != "rows"}, "rows": r["rows"]}
-        print(f"   {mode}: median {out[mode]['median_s']} s, p95 {out[mode]['p95_s']} s, load {r['load_after'][0]:.2f}",
+        print(f"   {mode}: median {out[mode]['median_s']} s (CPU {out[mode]['median_cpu_s']} s), p95 {out[mode]['p95_s']} s, load {r['load_after'][0]:.2f}",
               file=sys.stderr, flush=True)
     sos = {name: out[mode]["add64_so"] for name, mode in (("new", "single"), ("old", "old")) if mode in out}
     if sos:
