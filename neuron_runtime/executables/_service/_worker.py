@@ -93,9 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     from neuron_runtime import _config
     from neuron_runtime.cache import TieredCache
     from neuron_runtime.compiler import make_compiler
-    from neuron_runtime.compiler import CompileRefused
-    from neuron_runtime.executables import _checks, _entries
-    from neuron_runtime.signatures import _signature
 
     cfg = _config.get()
     compiler = make_compiler(cfg)
