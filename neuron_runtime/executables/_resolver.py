@@ -398,7 +398,8 @@ class Resolver:
 
         def compile_entry() -> bytes:
             log.info("compiling %s", sig["op"])
-            result = self.compiler.compile_many([sig])[0]
+            with _profiling.compile_span(sig, digest):
+                result = self.compiler.compile_many([sig])[0]
             self.phase_times.add(result.phases)
             entry = _entries.build_entry(cache, self.compiler, digest, sig, self.fingerprint, compiled=result)
             self.count_kind(sig)

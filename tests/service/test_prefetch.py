@@ -41,7 +41,8 @@ def test_fresh_host_prefetches_from_the_fleet_and_compiles_nothing(tmp_path: Pat
     s = r["stats"]
     bg = s["background"]
     assert s["compiles"] == 0 and bg["queued"] == 0
-    assert bg["prefetched"] == len(warm_fleet["keys"]) and bg["prefetch_hits"] > 10
+    # Executables loaded ahead: one per key, or fewer where a shape class serves several keys.
+    assert 0 < bg["prefetched"] <= len(warm_fleet["keys"]) and bg["prefetch_hits"] > 10
     assert s["hits"]["fleet"] >= bg["prefetched"]
     assert r["host_runs"][-2:] == [0, 0]
     assert r["losses"] == warm_fleet["losses"]
