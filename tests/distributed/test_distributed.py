@@ -203,7 +203,7 @@ def test_cold_ranks_compile_each_key_once(tmp_path: Path, mode: str, hosts: int)
                   TORCH_NEURONX_NEFF_CACHE_DIR=str(tmp_path / "fleet"))
     ranks = torchrun(tmp_path, 4, env)
     keys = [set(r["keys"]) for r in ranks]
-    assert all(k == keys[0] for k in keys) and len(keys[0]) > 20
+    assert all(k == keys[0] for k in keys) and len(keys[0]) > 10  # shape classes share some
     assert all(r["waited"] is True for r in ranks)
     compiles = sum(r["stats"]["compiles"] for r in ranks)
     assert compiles == len(keys[0]), [r["stats"]["compiles"] for r in ranks]

@@ -40,7 +40,9 @@ def test_fresh_host_prefetches_from_the_fleet_and_compiles_nothing(tmp_path: Pat
     r, err = run_job(tmp_path, "fresh", fleet_env(tmp_path, "host-b", JOB_STEPS="2", JOB_WAIT="60"))
     s = r["stats"]
     bg = s["background"]
-    assert s["compiles"] == 0 and bg["queued"] == 0
+    # An op that comes before the prefetch loaded its key asks the service, which finds the entry in the
+    # fleet store (a race a loaded host can lose): nothing is compiled either way.
+    assert s["compiles"] == 0 and bg["queued"] <= 2, bg
     # Executables loaded ahead: one per key, or fewer where a shape class serves several keys.
     assert 0 < bg["prefetched"] <= len(warm_fleet["keys"]) and bg["prefetch_hits"] > 10
     assert s["hits"]["fleet"] >= bg["prefetched"]
