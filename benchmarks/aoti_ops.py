@@ -242,7 +242,7 @@ def run_service(workers: int, sigs: list[dict[str, Any]], local: Path, batch: in
 
     fp = AotiCompiler(local_cache_dir=str(local)).fingerprint()
     keys = [_signature.cache_key(s, fp) for s in sigs]
-    path = os.path.join(_client.service_dir(), f"bench-{os.getpid()}-{workers}-{time.time_ns()}.sock")
+    path = os.path.join(_client.service_dir().path, f"bench-{os.getpid()}-{workers}-{time.time_ns()}.sock")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
     env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(local), OMP_NUM_THREADS="1",
                TORCH_NEURONX_COMPILE_MODE="sync")
