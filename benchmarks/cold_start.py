@@ -45,7 +45,10 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     import neuron_runtime
-    from neuron_runtime.aten import _dispatch
+    try:
+        from neuron_runtime.aten import _dispatch
+    except ImportError:  # `--old` code from before the layout of issue 28
+        from neuron_runtime import _dispatch  # type: ignore[no-redef]
 
     torch.manual_seed(0)
     wide = args.variant == "wide"
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         env = case.env(root / "fingerprint")
         if code:
             env["PYTHONPATH"] = code
-        subprocess.run([sys.executable, "-c", "from neuron_runtime.aten import _dispatch; _dispatch.runtime()"],
+        subprocess.run([sys.executable, "-c", "try:\n from neuron_runtime.aten import _dispatch\n"
+                        "except ImportError:\n from neuron_runtime import _dispatch\n_dispatch.runtime()"],
                        env=env, check=True, cwd=code)
     try:
         keys: list[str] = []

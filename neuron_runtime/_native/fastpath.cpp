@@ -972,16 +972,24 @@ struct OpState final : c10::OperatorKernel {
 
   // Whether tensors `a` and `b` (distinct) cover intersecting bytes: exact for the dense tensors CPU checks
   // (a non-dense one CPU lets pass: the Python kernel's exact rule decides then).
-  // An out= tensor counts as meeting itself (many ops refuse an out= that is an input: CPU's
-  // `assert_no_overlap`); an in-place one does not (`x.add_(x)` is fine).
-  static bool spans_meet(const at::Tensor& a, const at::Tensor& b, bool same_counts) {
-    if (!b.defined() || b.unsafeGetTensorImpl()->is_wrapped_number() || a.numel() == 0 ||
-        (!same_counts && a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl())) {
-      return false;
-    }
+  // An out= tensor (`out`) counts as meeting itself (many ops refuse an out= that is an input: CPU's
+  // `assert_no_overlap`), an in-place one does not (`x.add_(x)` is fine); and an out= tensor's span runs
+  // to its storage's end (and one with internal overlap meets everything): CPU resizes an out= of another shape in place before it checks (`ind[:1]` grows
+  // into `ind[1:]`), so the Python kernel decides exactly (`_writes.overlapping`).
+  static bool spans_meet(const at::Tensor& a, const at::Tensor& b, bool out) {
+    if (!b.defined() || b.unsafeGetTensorImpl()->is_wrapped_number()) return false;
+    if (a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl()) return out;  // (empty ones too)
+    if (a.numel() == 0) return false;
     const char* pa = static_cast<const char*>(a.data_ptr());
     const char* pb = static_cast<const char*>(b.data_ptr());
-    return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+    const char* end = pa + a.nbytes();
+    if (out) {
+      // (an out= tensor whose elements share memory: CPU refuses it, "more than one element ...")
+      if (at::has_internal_overlap(a) == at::MemOverlap::Yes) return true;
+      const c10::Storage& st = a.storage();
+      end = std::max(end, static_cast<const char*>(st.data()) + st.nbytes());
+    }
+    return pa < pb + b.nbytes() && pb < end;
   }
 
   // Whether the argument this op writes may partially overlap one it reads (element by element for two

@@ -136,12 +136,19 @@ def spans_meet(a: torch.Tensor, b: Any) -> bool:
 
 
 def spans_touch(a: torch.Tensor, b: Any) -> bool:
-    """`spans_meet`, `a` itself included: for an out= tensor, which many ops refuse to share any memory
-    with an input (`gather`, `index_select`, `take`: CPU's `assert_no_overlap`)."""
+    """`spans_meet` for an out= tensor `a`, `a` itself included (many ops refuse an out= that shares any
+    memory with an input: `gather`, `index_select`, `take`: CPU's `assert_no_overlap`), and counting the
+    bytes of `a`'s storage after it: CPU resizes an out= tensor of another shape than the result in place
+    (`ind[:1]` grows into `ind[1:]`) before it checks. `overlapping` then decides exactly."""
+    if a is b:  # (an empty one too: CPU refuses `cat((x, y), out=x)`)
+        return True
     if b is None or b.__class__ in (bool, int, float, complex) or not a.numel():
         return False
+    if torch._debug_has_internal_overlap(a) == 1:  # CPU refuses it: "more than one element of the ..."
+        return True
     pa, pb = a.data_ptr(), b.data_ptr()
-    return bool(pa < pb + b.nbytes and pb < pa + a.nbytes)
+    st = a.untyped_storage()
+    return bool(pa < pb + b.nbytes and pb < max(pa + a.nbytes, st.data_ptr() + st.nbytes()))
 
 
 def spans_meet_lists(a: list[torch.Tensor], b: list[Any]) -> bool:
@@ -161,6 +168,12 @@ def _partial(a: torch.Tensor, b: Any) -> bool:
     if a.data_ptr() == b.data_ptr() and a.nbytes == b.nbytes:
         return a.stride() != b.stride()
     return True
+
+
+def _written(info: _ops.OpInfo, values: tuple[Any, ...], out: bool) -> list[torch.Tensor]:
+    """The tensors the op writes: its out= ones if `out`, else the in-place ones."""
+    ws = [v for a, v in zip(info.args, values) if a.mutable and a.kwarg_only == out]
+    return [t for w in ws for t in (w if isinstance(w, (list, tuple)) else (w,)) if isinstance(t, torch.Tensor)]
 
 
 def _pairs(info: _ops.OpInfo, values: tuple[Any, ...], out: bool) -> list[tuple[torch.Tensor, Any]]:
@@ -187,22 +200,60 @@ def _pairs(info: _ops.OpInfo, values: tuple[Any, ...], out: bool) -> list[tuple[
 def overlapping(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
     """Whether CPU's kernel should judge this call's aliasing: a tensor it writes in place partially
     overlaps one it reads (TensorIterator's rule: `_partial`), or an out= tensor shares any memory with an
-    input (the op's own rule then decides: elementwise ops allow the very same elements, `gather` and the
-    like refuse any overlap)."""
-    return any(_partial(x, y) for x, y in _pairs(info, values, out=False)) or \
-        any(isinstance(y, torch.Tensor) and spans_touch(x, y) for x, y in _pairs(info, values, out=True))
+    input, as it is or once resized to the result's shape (the op's own rule then decides: elementwise ops
+    allow the very same elements, `gather` and the like refuse any overlap)."""
+    if any(_partial(x, y) for x, y in _pairs(info, values, out=False)):
+        return True
+    grown: dict[int, int] | None = None
+    for x in _written(info, values, out=True):
+        if torch._debug_has_internal_overlap(x) == 1:  # CPU: "more than one element of the written-to..."
+            return True
+    for x, y in _pairs(info, values, out=True):
+        if x is y:  # (empty ones too: CPU refuses `cat((x, y), out=x)` for an empty x)
+            return True
+        if not isinstance(y, torch.Tensor) or not spans_touch(x, y):
+            continue
+        if spans_meet(x, y):
+            return True
+        if grown is None:
+            grown = _resized_nbytes(info, values)
+        n = grown.get(id(x))
+        if n is not None and x.data_ptr() < y.data_ptr() + y.nbytes and y.data_ptr() < x.data_ptr() + n:
+            return True
+    return False
 
 
-def shared_views(values: tuple[Any, ...], host_values: tuple[Any, ...]) -> tuple[Any, ...]:
+def _resized_nbytes(info: _ops.OpInfo, values: tuple[Any, ...]) -> dict[int, int]:
+    """id(out= tensor) -> the bytes it covers once CPU resized it to the result's shape (contiguous, from
+    its own offset), for the out= tensors whose shape is not the result's (from the op's meta kernel)."""
+    f = info.functional or info
+    outs = [v for a, v in zip(info.args, values) if a.kwarg_only and a.mutable]
+    outs = [t for o in outs for t in (o if isinstance(o, (list, tuple)) else (o,))]
+    try:
+        res = [t for t in tree_leaves(f.op(*[_metas(v) for a, v in zip(info.args, values) if not a.kwarg_only],
+                                          **{a.name: _metas(v) for a, v in zip(info.args, values)
+                                             if a.kwarg_only and not a.mutable}))
+               if isinstance(t, torch.Tensor)]
+    except Exception:  # noqa: BLE001 - no meta kernel: the tensors as they are
+        return {}
+    return {id(o): r.numel() * o.element_size() for o, r in zip(outs, res)
+            if isinstance(o, torch.Tensor) and tuple(o.shape) != tuple(r.shape)}
+
+
+def shared_views(values: tuple[Any, ...], host_values: tuple[Any, ...], copies: bool = False) -> tuple[Any, ...]:
     """`host_values` with each neuron tensor's CPU view remade over one CPU storage per neuron storage, so
-    that CPU sees tensors that share memory as views of one tensor (and applies its aliasing rules)."""
+    that CPU sees tensors that share memory as views of one tensor (and applies its aliasing rules).
+    `copies`: over a copy of each storage (one CPU may grow: an out= resized past its storage's end)."""
     bases: dict[int, torch.Tensor] = {}
+    empties: dict[int, torch.Tensor] = {}
 
     def view(t: Any, h: Any) -> Any:
         if isinstance(t, (list, tuple)):
             return type(h)(view(x, y) for x, y in zip(t, h))
-        if not isinstance(t, torch.Tensor) or t.device.type != DEVICE or t.numel() == 0:
+        if not isinstance(t, torch.Tensor) or t.device.type != DEVICE:
             return h
+        if t.numel() == 0:  # one CPU tensor per neuron tensor (`cat((x, y), out=x)`), resizable
+            return empties.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype))
         st = t.untyped_storage()
         start, nbytes = st.data_ptr(), st.nbytes()
         if nbytes % t.element_size():
@@ -211,6 +262,8 @@ def shared_views(values: tuple[Any, ...], host_values: tuple[Any, ...]) -> tuple
         if base is None:
             buf = (ctypes.c_uint8 * nbytes).from_address(start)
             base = bases[start] = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+            if copies:
+                base = bases[start] = base.clone()
         return base.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
     return tuple(view(t, h) for t, h in zip(values, host_values))

@@ -283,3 +283,68 @@ def test_partially_overlapping_writes_raise_as_on_cpu(native: str) -> None:
         for outcome in got["out"][name]:
             assert tuple(outcome) == want, (name, outcome, want)
     assert got["executions"] > 10  # the calls without overlap ran executables
+
+
+# An out= tensor CPU resizes before it checks (it grows into an input), one whose elements share memory,
+# and an empty one that is also an input: each raises CPU's error; each call first runs once on tensors of
+# their own (`apart`), so the checked call's key has its executable loaded (the hit paths decide too).
+OUT_CASES = {
+    "gather out grows into its index":
+        "i = torch.tensor([2, 1, 0], device=dev); o = torch.tensor([2, 1, 0], device=dev) if apart else i\n"
+        "torch.gather(i.clone(), 0, i[1:], out=o[:1])",
+    "index_select out overlaps itself":
+        "y = torch.arange(18.0, device=dev).reshape(3, 6)\n"
+        "o = torch.zeros(2, 6, device=dev) if apart else torch.zeros(1, 6, device=dev).expand(2, 6)\n"
+        "torch.index_select(y, 1, torch.tensor([0, 1], device=dev), out=o)",
+    "add out grows onto its input":
+        "b = torch.arange(6.0, device=dev); o = torch.arange(6.0, device=dev) if apart else b\n"
+        "torch.add(b[1:3], 1, out=o[1:2])",
+    "add out grows beside its input":
+        "b = torch.arange(6.0, device=dev); o = torch.arange(6.0, device=dev) if apart else b\n"
+        "torch.add(b[2:4], 1, out=o[:1])",
+    "cat out is an empty input":
+        "e = torch.zeros(0, device=dev); o = torch.zeros(0, device=dev) if apart else e\n"
+        "torch.cat((e, torch.ones(4, 6, device=dev)), out=o)",
+    "cat out grows past its storage onto an input":
+        "z = torch.zeros(4, 6, device=dev); o = torch.zeros(4, 6, device=dev) if apart else z\n"
+        "torch.cat((torch.ones(4, 6, device=dev), z), out=o[:2])",
+}
+
+OUT_CODE = """
+import json, sys, torch, neuron_runtime
+
+def outcome(code, dev, apart):
+    scope = {"torch": torch, "dev": dev, "apart": apart}
+    try:
+        exec(code, scope)
+    except RuntimeError as e:
+        return ["raises", str(e)]
+    return ["ok", scope["o"].cpu().tolist()]
+
+out = {}
+for name, code in json.loads(sys.argv[1]).items():
+    out[name] = {"cpu": outcome(code, "cpu", False), "neuron": []}
+    for i in range(3):  # a miss, then hits of the same key (whose executable exists by then)
+        assert outcome(code, "neuron", True)[0] == "ok", name
+        out[name]["neuron"].append(outcome(code, "neuron", False))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_out_tensors_that_meet_an_input_once_resized_raise_as_on_cpu(native: str) -> None:
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", OUT_CODE, json.dumps(OUT_CASES)], capture_output=True, text=True,
+                       timeout=300, env={**__import__("os").environ, "TORCH_NEURONX_NATIVE": native,
+                                         "TORCH_NEURONX_COMPILE_MODE": "sync", "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    raised = 0
+    for name, g in got.items():
+        for outcome in g["neuron"]:
+            assert outcome == g["cpu"], (name, outcome, g["cpu"])
+        raised += g["cpu"][0] == "raises"
+    assert raised >= 4  # (the cases are CPU's errors, save those CPU allows)

@@ -49,11 +49,7 @@ SAMPLE_DTYPES = ["float32", "int64", "bfloat16"]
 
 # Tests that fail on neuron and pass on CPU, by glob over test keys, with the cause (reported beside the
 # failure; they are still counted as failures). Delete an entry when it passes.
-_OUT_IS_INDEX = ("an out= tensor that is the op's index argument is not refused (CPU and CUDA: 'unsupported "
-                 "operation: some elements of the input tensor and the written-to tensor refer to a single memory "
-                 "location'); the overlap checks of issue 29 catch an out= sharing the data input, not this case yet")
 KNOWN: dict[str, str] = {
-    **{f"TestCommon{{dev}}::test_errors_{op}_{{dev}}": _OUT_IS_INDEX for op in ("gather", "index_select")},
     "TestModulesOnDevice{dev}::test_matches_cpu_nn_LinearCrossEntropyLoss_{dev}_bfloat16":
         "one element one bfloat16 ulp off CPU: the composite picks its accumulation path by device type "
         "(is_cuda / is_mps) and neuron is neither (the OpInfo sweep's linear_cross_entropy.chunked_none too)",
