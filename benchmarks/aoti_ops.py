@@ -168,13 +168,11 @@ print(json.dumps(out))
 
 def kind(sig: dict[str, Any]) -> str:
     """The kind of work a signature is (what the issue's target names)."""
+    from neuron_runtime._profiling import kind_of
+
+    if kind_of(sig) != "op":  # graph, fused, class
+        return kind_of(sig)
     op = str(sig.get("op", ""))
-    if op.startswith("graph:"):
-        return "graph"
-    if op.startswith("fused:"):
-        return "fused"
-    if "shapes" in sig:
-        return "class"
     if op.startswith("aten::_foreach_"):
         return "foreach"
     if any(w in op for w in ("mm", "addmm", "bmm", "linear")):

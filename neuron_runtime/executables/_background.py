@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import base64
 import collections
+import hashlib
 import logging
 import os
 import sys
@@ -539,7 +540,8 @@ def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[A
         local_id = [st.st_dev, st.st_ino]
     except OSError:
         local_id = None
-    identity = {"runtime": __version__, "package": os.path.dirname(package_file), "python": sys.executable,
+    package = os.path.dirname(package_file)
+    identity = {"runtime": __version__, "package": package, "code": code_stamp(package), "python": sys.executable,
                 "local": local_id,
                 "fp": fingerprint, "env": {k: v for k, v in env.items()
                                            if k.startswith(("TORCH_NEURONX_", "AWS_", "FSSPEC_"))}}
@@ -547,3 +549,26 @@ def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[A
 
     d = service_dir()
     return d, d.name(identity), env
+
+
+_stamps: dict[str, str] = {}
+
+
+def code_stamp(package: str) -> str:
+    """A digest of the package's Python and C++ files (path, size, mtime): code changed in place (a `git
+    pull` in an editable install, a reinstall of the same version) is another service, never the one
+    still running the old code. Once per process and package directory."""
+    stamp = _stamps.get(package)
+    if stamp is None:
+        h = hashlib.sha256()
+        for root, dirs, files in os.walk(package):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for f in sorted(files):
+                if f.endswith((".py", ".cpp", ".h")):
+                    try:
+                        st = os.stat(os.path.join(root, f))
+                    except OSError:
+                        continue
+                    h.update(f"{os.path.relpath(os.path.join(root, f), package)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        stamp = _stamps[package] = h.hexdigest()[:16]
+    return stamp

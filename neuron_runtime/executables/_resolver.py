@@ -424,8 +424,8 @@ class Resolver:
 
     def count_kind(self, sig: dict[str, Any]) -> None:
         """A compile of an op, a fused group or a torch.compile graph (`stats()["compiles_by_kind"]`)."""
-        op = str(sig.get("op", ""))
-        kind = "graph" if op.startswith("graph:") else "fused" if op.startswith("fused:") else "op"
+        kind = _profiling.kind_of(sig)
+        kind = "op" if kind == "class" else kind  # (a shape class's executable serves an op)
         with self._kinds_lock:
             self.compile_kinds[kind] += 1
 

@@ -452,3 +452,28 @@ out(ok=ok, first=first, second=bg.client.service_pid, host=neuron_runtime.stats(
     r, err = run_code(code, job_env(tmp_path, NEURON_TEST_COMPILE_DELAY="*=1"))
     assert r["ok"] and r["host"] == 0 and r["first"] != r["second"] and r["stats"]["fallback_ops"] == []
     assert not alive(r["first"])
+
+
+def test_code_changed_in_place_is_another_compile_service(tmp_path: Path) -> None:
+    """A `git pull` in an editable install (same version, same directory) must not reuse a service still
+    running the old code: the socket's identity holds a stamp of the package's files."""
+    from neuron_runtime.executables import _background
+
+    pkg = tmp_path / "pkg"
+    (pkg / "sub" / "__pycache__").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.cpp").write_text("int f();\n")
+
+    def stamp() -> str:
+        _background._stamps.pop(str(pkg), None)
+        return _background.code_stamp(str(pkg))
+
+    first = stamp()
+    assert stamp() == first
+    (pkg / "sub" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0" * 10)  # compiled files: not code
+    assert stamp() == first
+    (pkg / "sub" / "b.cpp").write_text("int f(); int g();\n")
+    second = stamp()
+    assert second != first
+    (pkg / "c.py").write_text("")
+    assert stamp() not in (first, second)
