@@ -29,6 +29,7 @@ Method (JSON on stdout, progress on stderr; the machine's load printed with ever
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -280,11 +281,15 @@ def run_service(workers: int, sigs: list[dict[str, Any]], local: Path, batch: in
                 waiting.discard(m["key"])
                 statuses.append(m.get("status"))
         dt = time.perf_counter() - t0
+        with open(f"/proc/{proc.pid}/stat") as st:  # the service process's own CPU (workers are children)
+            fields = st.read().rsplit(")", 1)[1].split()
+        service_cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         sock.close()
     finally:
         proc.terminate()
         proc.wait(60)
     return {"workers": workers, "seconds": round(dt, 2), "compiles_per_s": round(len(sigs) / dt, 3),
+            "service_process_cpu_s": round(service_cpu_s, 2),
             "statuses": {st: statuses.count(st) for st in set(statuses)}, "load_before": load_before,
             "load_after": os.getloadavg()}
 
@@ -382,6 +387,27 @@ def main(argv: list[str] | None = None) -> int:
         med = {n: statistics.median(x["compiles_per_s"] for x in v) for n, v in runs.items()}
         out["service"] = {"runs": runs, "compiles_per_s_median": med, "two_vs_one": round(med[2] / med[1], 3)}
         print(f"   service: {json.dumps(out['service'])}", file=sys.stderr, flush=True)  # kept if a later case fails
+    if "ceiling" in modes:
+        # What two cores give two compile processes that share nothing (no service, no client): one
+        # `batch` child on every signature vs two at once on half each, compile seconds only (imports and
+        # warm-up left out); the service's two_vs_one is measured against this machine's own ceiling.
+        modes.remove("ceiling")
+        ratios = []
+        for r in range(args.rounds):
+            print(f"== ceiling, round {r}", file=sys.stderr, flush=True)
+            one = run_child(REPO, "batch", sigs_file, root / "new" / f"neff-ceil1-{time.time_ns()}", args.batch)
+            halves = [work / f"half-{i}.jsonl" for i in (0, 1)]
+            for i, h in enumerate(halves):
+                h.write_text("".join(json.dumps(x) + "\n" for x in sigs[i::2]))
+            with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                two = list(ex.map(lambda h: run_child(REPO, "batch", h, root / "new" / f"neff-ceil2-{time.time_ns()}",
+                                                      args.batch), halves))
+            t1 = sum(x["s"] for x in one["rows"])
+            t2 = max(sum(x["s"] for x in t["rows"]) for t in two)
+            ratios.append(round(t1 / t2, 3))
+        out["ceiling"] = {"two_processes_vs_one": ratios, "median": statistics.median(ratios),
+                          "load": os.getloadavg()}
+        print(f"   ceiling: {json.dumps(out['ceiling'])}", file=sys.stderr, flush=True)
     for mode in modes:
         code = Path(args.old) if mode == "old" else REPO
         print(f"== {mode} ({code})", file=sys.stderr, flush=True)

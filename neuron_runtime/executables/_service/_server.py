@@ -60,13 +60,16 @@ STATUSES = ("compiled", "present", "refused", "failed")
 # --------------------------------------------------------------------------------------------------
 # Worker processes
 # --------------------------------------------------------------------------------------------------
+GATHER_S = 0.02  # how long a slot waits for more tasks before it sends a batch (see `_slot`)
+
+
 class WorkerPool:
     """N worker processes, each fed one task (or one batch of tasks) at a time by a slot thread; answers
     are JSON lines.
 
     `next_task()` blocks until there is a task `(task_id, payload)` for a slot, or returns None when the
     pool closes; each task is sent as `{"i": task_id, **payload}`. With `batch` > 1, the slot then takes
-    up to `batch - 1` more tasks that are already waiting (`more_tasks(limit)`, never blocking) and sends
+    up to `batch - 1` more tasks that are waiting after `GATHER_S` (`more_tasks(limit)`, never blocking) and sends
     them together, `{"batch": [task, ...]}`: the worker compiles them in one C++ translation unit.
     `on_event(kind, task_id, answer)` is called from the slot threads with kind "started" (a worker took
     the task) and "done" (its answer, or a "failed" answer saying why). A worker that dies or runs past
@@ -223,6 +226,9 @@ class WorkerPool:
                     break
                 tasks = [task]
                 if self.batch > 1 and self.more_tasks is not None:
+                    # The misses of one step arrive milliseconds apart: a moment's wait lets them go out
+                    # as one batch rather than a first batch of one (a compiler run each, ~0.5 s).
+                    time.sleep(GATHER_S)
                     tasks += self.more_tasks(self.batch - 1)
                 run = []
                 for task_id, payload in tasks:
