@@ -15,7 +15,7 @@ Method (JSON on stdout, progress on stderr; every measured thing is a separate p
 The tier is `aoti` unless --tier says otherwise (`reference` runs in seconds but compiles nothing real);
 the JSON states it, the CPU count and the load average, because this host is shared.
 
-    python benchmarks/warm.py [--tier aoti|reference] [--workload mlp|decoder] [--ops N] [--rounds 1] [--first-step-job tiny|mlp]
+    python benchmarks/warm.py [--tier aoti|reference] [--workload mlp|decoder|llama] [--ops N] [--rounds 1] [--first-step-job tiny|mlp]
 """
 
 from __future__ import annotations
@@ -49,6 +49,21 @@ sys.path.insert(0, __BENCH__)
 from _models import Decoder, train_decoder
 torch.manual_seed(0)
 train_decoder(Decoder(vocab=256, d=64, heads=4).to('neuron'), (12, 20), vocab=256)
+"""
+
+# A Hugging Face LlamaForCausalLM from a config (--workload llama; cold_start.py's 4-layer model): one
+# training step, what a real model asks a CI warm-up to compile (~65 signatures).
+LLAMA = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=256)
+model = LlamaForCausalLM(cfg).to('neuron')
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x = torch.randint(0, 4096, (2, 128), device='neuron')
+model(input_ids=x, labels=x).loss.backward()
+opt.step()
 """
 
 FIRST_STEP = {
@@ -106,8 +121,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tier", default="aoti", choices=["aoti", "reference"])
     p.add_argument("--ops", type=int, help="signatures in the speed-up workload (default: 8 of mlp, all of decoder)")
-    p.add_argument("--workload", default="mlp", choices=["mlp", "decoder"],
-                   help="the job whose recorded signatures are compiled (decoder: 34 signatures)")
+    p.add_argument("--workload", default="mlp", choices=["mlp", "decoder", "llama"],
+                   help="the job whose recorded signatures are compiled (decoder: 34 signatures; llama: a "
+                        "Hugging Face LlamaForCausalLM step)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--first-step-job", default="tiny", choices=sorted(FIRST_STEP))
     p.add_argument("--skip-first-step", action="store_true")
@@ -121,7 +137,7 @@ def main() -> int:
         # 1. the workload
         full = root / "full.jsonl"
         job = root / f"{args.workload}.py"
-        job.write_text(MLP if args.workload == "mlp" else
+        job.write_text(MLP if args.workload == "mlp" else LLAMA if args.workload == "llama" else
                        DECODER.replace("__BENCH__", repr(str(Path(__file__).resolve().parent))))
         # sync mode, as `neuron-cache warm` records: a signature is recorded when its executable is loaded,
         # which in background mode may come after a short job has ended

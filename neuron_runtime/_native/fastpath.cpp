@@ -14,11 +14,14 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/native/transformers/attention.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <ATen/ops/_fused_sdp_choice_ops.h>
 #include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/Storage.h>
@@ -232,6 +235,28 @@ struct NeuronHooks : at::PrivateUse1HooksInterface {
     impl->set_nbytes(newsize);
   }
 };
+
+// scaled_dot_product_attention picks its kernel by device: a device without a choice gets the math
+// composite (~10 ops). Neuron makes CPU's choice (CPU's flash kernel where it applies, else the math
+// composite), so attention computes as on CPU, bit for bit on the reference tier, in one op
+// (`_scaled_dot_product_flash_attention_for_cpu`, a library call on the aoti tier) rather than ten.
+// CPU's choice reads only sizes, strides and dtypes: it is asked about CPU tensors with this metadata
+// over a buffer nobody reads (the tensors may have no data: torch.compile traces with fake tensors).
+at::Tensor cpu_alias(const at::Tensor& t) {
+  if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1) return t;
+  alignas(64) static char unread[64];
+  return at::from_blob(unread, t.sizes(), t.strides(), t.options().device(c10::kCPU).requires_grad(false));
+}
+
+int64_t neuron_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& mask, double dropout, bool causal,
+                          std::optional<double> scale, bool gqa) {
+  std::optional<at::Tensor> m;
+  if (mask.has_value()) m = cpu_alias(*mask);
+  // Straight to CPU's kernel: no mode above it (torch.compile's fake tensors) sees these stand-ins.
+  return at::_ops::_fused_sdp_choice::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), cpu_alias(q),
+                                                 cpu_alias(k), cpu_alias(v), m, dropout, causal, scale, gqa);
+}
 
 bool register_hooks() {
   if (at::isPrivateUse1HooksRegistered()) return false;
@@ -1978,3 +2003,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_q_not_materialised.store(0);
   });
 }
+
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &neuron_sdp_choice)
+}  // namespace at::native

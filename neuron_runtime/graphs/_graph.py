@@ -61,6 +61,16 @@ class GraphPlan:
 _INFOS: dict[str, _ops.OpInfo] = {}
 
 
+
+def _no_dropout(target: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
+    """An attention kernel tagged as drawing random numbers for its dropout, called with `dropout_p` 0
+    (CPU's flash attention, which SDPA picks on neuron as on CPU): it draws none."""
+    for i, a in enumerate(target._schema.arguments):
+        if a.name == "dropout_p":
+            v = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else a.default_value)
+            return isinstance(v, (int, float)) and v == 0
+    return False
+
 def _info(op: Any) -> _ops.OpInfo:
     q = _ops.qualname_of(op)
     info = _INFOS.get(q)
@@ -154,7 +164,7 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
             continue
         if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
             raise GraphRefused(f"{target} is not an aten op")
-        if torch.Tag.nondeterministic_seeded in target.tags:
+        if torch.Tag.nondeterministic_seeded in target.tags and not _no_dropout(target, node):
             raise GraphRefused(f"{target} draws random numbers: run op by op, the CPU generator gives the "
                                "same values as eager neuron")
         if target is torch.ops.aten.copy_.default and node.args[0] in placeholders:

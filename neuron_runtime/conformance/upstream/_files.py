@@ -53,8 +53,4 @@ KNOWN: dict[str, str] = {
     "TestModulesOnDevice{dev}::test_matches_cpu_nn_LinearCrossEntropyLoss_{dev}_bfloat16":
         "one element one bfloat16 ulp off CPU: the composite picks its accumulation path by device type "
         "(is_cuda / is_mps) and neuron is neither (the OpInfo sweep's linear_cross_entropy.chunked_none too)",
-    "TestModulesOnDevice{dev}::test_matches_cpu_nn_TransformerDecoderLayer_{dev}_float32":
-        "gradients 3e-5 off CPU's (over assert_close's float32 tolerance): scaled_dot_product_attention picks "
-        "its kernel by device, CPU's flash-attention kernel on CPU and the math composite on neuron; neuron "
-        "equals CPU run under SDPBackend.MATH exactly",
 }
