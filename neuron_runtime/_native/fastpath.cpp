@@ -1007,14 +1007,13 @@ struct OpState final : c10::OperatorKernel {
     if (a.numel() == 0) return false;
     const char* pa = static_cast<const char*>(a.data_ptr());
     const char* pb = static_cast<const char*>(b.data_ptr());
-    const char* end = pa + a.nbytes();
-    if (out) {
-      // (an out= tensor whose elements share memory: CPU refuses it, "more than one element ...")
-      if (at::has_internal_overlap(a) == at::MemOverlap::Yes) return true;
-      const c10::Storage& st = a.storage();
-      end = std::max(end, static_cast<const char*>(st.data()) + st.nbytes());
-    }
-    return pa < pb + b.nbytes() && pb < end;
+    if (pa < pb + b.nbytes() && pb < pa + a.nbytes()) return true;
+    if (!out) return false;
+    // (an out= tensor whose elements share memory: CPU refuses it, "more than one element ...")
+    if (!a.is_non_overlapping_and_dense() && at::has_internal_overlap(a) == at::MemOverlap::Yes) return true;
+    if (pb < pa) return false;  // `b` lies before `a`: a resize grows `a` upwards only
+    const c10::Storage& st = a.storage();
+    return pb < static_cast<const char*>(st.data()) + st.nbytes();
   }
 
   // Whether the argument this op writes may partially overlap one it reads (element by element for two

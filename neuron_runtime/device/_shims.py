@@ -31,6 +31,11 @@ Each patch changes behaviour only for `neuron` and says why it exists:
     with `KeyError: 'neuron'` (Dynamo offers no hook to pick a backend by device). A graph whose inputs
     are on neuron goes to the `neuron` backend instead (docs/compile.md); any other graph to Inductor.
     Inductor's own `mode=`/`options=` do not apply to it (logged once).
+  * `linear_cross_entropy`'s chunked path picks its accumulation per device from tables keyed by device type
+    (`_AUTO_DEFAULTS`, `_resolve_auto_acc_dtype`: float32 accumulation and the "accurate" policy on CPU and
+    CUDA-like picks elsewhere, bf16 accumulation for an unknown device). Neuron's matmuls accumulate in
+    float32 (the host's kernels here, Trainium's PSUM there), so neuron takes CPU's entries: the loss and
+    its gradients equal CPU's instead of differing by bfloat16 ulps.
 """
 
 from __future__ import annotations
@@ -162,6 +167,7 @@ def install() -> None:
     torch.utils.swap_tensors = swap_tensors
 
     _route_inductor()
+    _install_linear_cross_entropy_defaults()
     _install_lazy_apply()
 
     torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
@@ -199,6 +205,30 @@ def _install_lazy_apply() -> None:
 
     _apply.__doc__ = apply.__doc__
     torch.nn.Module._apply = _apply  # type: ignore[method-assign]
+
+
+def _install_linear_cross_entropy_defaults() -> None:
+    try:
+        from torch.nn.modules import linear_cross_entropy_options as lce
+    except ImportError:  # a torch without it
+        return
+    table = getattr(lce, "_AUTO_DEFAULTS", None)
+    options = getattr(lce, "LinearCrossEntropyOptions", None)
+    if not isinstance(table, dict) or options is None or not hasattr(options, "_resolve_auto_acc_dtype"):
+        return
+    dev = _torch_neuron.DEVICE
+    for (kind, dtype), pick in list(table.items()):
+        if kind == "cpu":
+            table.setdefault((dev, dtype), pick)
+    resolve = options._resolve_auto_acc_dtype
+
+    def resolve_acc_dtype(dtype: torch.dtype, device: Any) -> Any:
+        if device is not None and getattr(device, "type", None) == dev:
+            device = torch.device("cpu")
+        return resolve(dtype, device)
+
+    resolve_acc_dtype.__doc__ = resolve.__doc__
+    options._resolve_auto_acc_dtype = staticmethod(resolve_acc_dtype)
 
 
 def _route_inductor() -> None:

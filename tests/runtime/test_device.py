@@ -304,3 +304,35 @@ def test_backward_runs_on_the_calling_thread() -> None:
     y.sum().backward()
     assert seen == [threading.get_ident()]
     torch.testing.assert_close(x.grad.cpu(), (2 * (x.detach() * 2).cos()).cpu())
+
+
+def test_attention_and_chunked_losses_compute_as_on_cpu() -> None:
+    """Composites that pick their algorithm by device take CPU's pick on neuron: SDPA runs CPU's flash
+    kernel (not the math composite), and `linear_cross_entropy`'s chunked path accumulates as on CPU; both
+    then equal CPU bit for bit, gradients included."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want.sum().backward()
+    qn, kn, vn = (t.detach().to(DEV).requires_grad_() for t in (q, k, v))
+    with torch.profiler.profile() as prof:
+        got = torch.nn.functional.scaled_dot_product_attention(qn, kn, vn, is_causal=True)
+    got.sum().backward()
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in {e.name for e in prof.events()}
+    assert torch.equal(got.detach().cpu(), want.detach())
+    for a, b in ((qn, q), (kn, k), (vn, v)):
+        assert torch.equal(a.grad.cpu(), b.grad)
+
+    from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+
+    x = torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(6, 8, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 6, (16,))
+    opts = LinearCrossEntropyOptions()  # "auto": per-device picks
+    want = torch.nn.functional.linear_cross_entropy(x, w, y, reduction="none", options=opts)
+    want.sum().backward()
+    xn, wn = (t.detach().to(DEV).requires_grad_() for t in (x, w))
+    got = torch.nn.functional.linear_cross_entropy(xn, wn, y.to(DEV), reduction="none", options=opts)
+    got.sum().backward()
+    assert torch.equal(got.detach().cpu(), want.detach())
+    assert torch.equal(xn.grad.cpu(), x.grad) and torch.equal(wn.grad.cpu(), w.grad)

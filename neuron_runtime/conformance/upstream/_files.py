@@ -49,8 +49,4 @@ SAMPLE_DTYPES = ["float32", "int64", "bfloat16"]
 
 # Tests that fail on neuron and pass on CPU, by glob over test keys, with the cause (reported beside the
 # failure; they are still counted as failures). Delete an entry when it passes.
-KNOWN: dict[str, str] = {
-    "TestModulesOnDevice{dev}::test_matches_cpu_nn_LinearCrossEntropyLoss_{dev}_bfloat16":
-        "one element one bfloat16 ulp off CPU: the composite picks its accumulation path by device type "
-        "(is_cuda / is_mps) and neuron is neither (the OpInfo sweep's linear_cross_entropy.chunked_none too)",
-}
+KNOWN: dict[str, str] = {}
