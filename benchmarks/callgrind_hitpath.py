@@ -60,9 +60,9 @@ def main() -> int:
     p.add_argument("--calls", default="10000,30000")
     p.add_argument("--cases", default=",".join(CASES))
     args = p.parse_args()
-    if shutil.which("valgrind") is None:
-        print("valgrind is not installed", file=sys.stderr)
-        return 2
+    if shutil.which("valgrind") is None:  # (`make bench` runs every script: a host without it skips this one)
+        print(json.dumps({"skipped": "valgrind is not installed"}))
+        return 0
     n1, n2 = (int(x) for x in args.calls.split(","))
     codes = [Path(c) for c in (args.code or [str(REPO)])]
     out: dict[str, object] = {"calls": [n1, n2], "load_before": os.getloadavg(), "per_call": {}}
