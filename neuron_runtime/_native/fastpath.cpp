@@ -14,15 +14,15 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
-#include <ATen/native/transformers/attention.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/transformers/attention.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <ATen/ops/_fused_sdp_choice_ops.h>
 #include <ATen/ops/_reshape_alias_native.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/Storage.h>
 #include <torch/csrc/Dtype.h>
@@ -999,8 +999,9 @@ struct OpState final : c10::OperatorKernel {
   // (a non-dense one CPU lets pass: the Python kernel's exact rule decides then).
   // An out= tensor (`out`) counts as meeting itself (many ops refuse an out= that is an input: CPU's
   // `assert_no_overlap`), an in-place one does not (`x.add_(x)` is fine); and an out= tensor's span runs
-  // to its storage's end (and one with internal overlap meets everything): CPU resizes an out= of another shape in place before it checks (`ind[:1]` grows
-  // into `ind[1:]`), so the Python kernel decides exactly (`_writes.overlapping`).
+  // to its storage's end (and one with internal overlap meets everything): CPU resizes an out= of another
+  // shape in place before it checks (`ind[:1]` grows into `ind[1:]`), so the Python kernel decides exactly
+  // (`_writes.overlapping`).
   static bool spans_meet(const at::Tensor& a, const at::Tensor& b, bool out) {
     if (!b.defined() || b.unsafeGetTensorImpl()->is_wrapped_number()) return false;
     if (a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl()) return out;  // (empty ones too)

@@ -132,9 +132,6 @@ def forget(t: torch.Tensor) -> None:
     _aliases.pop(id(t), None)
 
 
-_GROWN = object()  # host_shared: CPU would grow an out= tensor's storage
-
-
 def to_host(v: Any, strict: bool = False) -> Any:
     """Replace neuron tensors in an argument (lists too) by their CPU views.
 
@@ -440,19 +437,22 @@ class Runtime:
         out= tensors included: CPU's kernel sees the aliasing and applies its own rules to it."""
         args = [h for a, h in zip(info.args, host_values) if not a.kwarg_only]
         kwargs = {a.name: h for a, h in zip(info.args, host_values) if a.kwarg_only}
+        op = _op_for_numbers(info, args, kwargs)
+        grown = False
         try:
-            out = _op_for_numbers(info, args, kwargs)(*args, **kwargs)
+            out = op(*args, **kwargs)
         except RuntimeError as e:
             if "not resizable" not in str(e):
                 raise
-            out = _GROWN
-        if out is _GROWN:
+            grown = True  # (CPU's verdict below is raised outside this handler: no chained traceback)
+        if grown:
             # An out= tensor CPU grows past its storage's end (neuron memory does not grow in place): CPU's
             # verdict on copies of the storages; where it allows the call, the host path's fresh out= tensors.
-            copies = shared_views(values, tuple(to_host(v) for v in values), copies=True)
-            _op_for_numbers(info, args, kwargs)(*[h for a, h in zip(info.args, copies) if not a.kwarg_only],
-                                                **{a.name: h for a, h in zip(info.args, copies) if a.kwarg_only})
-            return self.host_call(info, values, tuple(to_host(v) for v in values))
+            plain = tuple(to_host(v) for v in values)
+            copies = shared_views(values, plain, copies=True)
+            op(*[h for a, h in zip(info.args, copies) if not a.kwarg_only],
+               **{a.name: h for a, h in zip(info.args, copies) if a.kwarg_only})
+            return self.host_call(info, values, plain)
         with self.lock:
             self.counts["host_ops"] += 1
         return rewrap(out, values, host_values, to_cpu_result=_wants_cpu(info, values))

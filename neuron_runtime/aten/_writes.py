@@ -63,20 +63,27 @@ def _metas(v: Any) -> Any:
     return [_widen._meta(x) for x in v] if isinstance(v, (list, tuple)) else _widen._meta(v)
 
 
+def _result_metas(info: _ops.OpInfo, values: tuple[Any, ...]) -> list[torch.Tensor] | None:
+    """The results of the op's functional variant on meta tensors of these arguments (the out= tensors
+    left out), in order; None when it has no meta kernel or refuses them."""
+    f = info.functional or info
+    try:
+        out = f.op(*[_metas(v) for a, v in zip(info.args, values) if not a.kwarg_only],
+                   **{a.name: _metas(v) for a, v in zip(info.args, values) if a.kwarg_only and not a.mutable})
+    except Exception:  # noqa: BLE001
+        return None
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
 def check_out_dtype(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
     """out= of another dtype than the result's: refused as PyTorch refuses it (the op's meta kernel decides:
     elementwise ops cast when `can_cast` allows, structured ops like mm want the exact dtype, reductions
     compute in it), with CPU's and CUDA's message. True when accepted with another dtype."""
-    f = info.functional or info
     outs = [v for a, v in zip(info.args, values) if a.kwarg_only and a.mutable and isinstance(v, torch.Tensor)]
-    try:
-        res = [t.dtype for t in tree_leaves(f.op(*[_metas(v) for a, v in zip(info.args, values)
-                                                      if not (a.mutable and a.kwarg_only) and not a.kwarg_only],
-                                                   **{a.name: _metas(v) for a, v in zip(info.args, values)
-                                                      if a.kwarg_only and not a.mutable}))
-               if isinstance(t, torch.Tensor)]
-    except Exception:  # noqa: BLE001 - no meta kernel: the copy-back applies can_cast
+    metas = _result_metas(info, values)
+    if metas is None:  # no meta kernel: the copy-back applies can_cast
         return False
+    res = [t.dtype for t in metas]
     if all(o.dtype == r for o, r in zip(outs, res)):
         return False
     try:
@@ -144,11 +151,15 @@ def spans_touch(a: torch.Tensor, b: Any) -> bool:
         return True
     if b is None or b.__class__ in (bool, int, float, complex) or not a.numel():
         return False
+    pa, pb = a.data_ptr(), b.data_ptr()
+    if pa < pb + b.nbytes and pb < pa + a.nbytes:
+        return True
     if torch._debug_has_internal_overlap(a) == 1:  # CPU refuses it: "more than one element of the ..."
         return True
-    pa, pb = a.data_ptr(), b.data_ptr()
+    if pb < pa:  # `b` lies before `a`: a resize grows `a` upwards only (as `OpState::spans_meet`)
+        return False
     st = a.untyped_storage()
-    return bool(pa < pb + b.nbytes and pb < max(pa + a.nbytes, st.data_ptr() + st.nbytes()))
+    return bool(pb < st.data_ptr() + st.nbytes())
 
 
 def spans_meet_lists(a: list[torch.Tensor], b: list[Any]) -> bool:
@@ -226,16 +237,9 @@ def overlapping(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
 def _resized_nbytes(info: _ops.OpInfo, values: tuple[Any, ...]) -> dict[int, int]:
     """id(out= tensor) -> the bytes it covers once CPU resized it to the result's shape (contiguous, from
     its own offset), for the out= tensors whose shape is not the result's (from the op's meta kernel)."""
-    f = info.functional or info
     outs = [v for a, v in zip(info.args, values) if a.kwarg_only and a.mutable]
     outs = [t for o in outs for t in (o if isinstance(o, (list, tuple)) else (o,))]
-    try:
-        res = [t for t in tree_leaves(f.op(*[_metas(v) for a, v in zip(info.args, values) if not a.kwarg_only],
-                                          **{a.name: _metas(v) for a, v in zip(info.args, values)
-                                             if a.kwarg_only and not a.mutable}))
-               if isinstance(t, torch.Tensor)]
-    except Exception:  # noqa: BLE001 - no meta kernel: the tensors as they are
-        return {}
+    res = _result_metas(info, values) or []  # (no meta kernel: the tensors as they are)
     return {id(o): r.numel() * o.element_size() for o, r in zip(outs, res)
             if isinstance(o, torch.Tensor) and tuple(o.shape) != tuple(r.shape)}
 

@@ -565,10 +565,11 @@ def code_stamp(package: str) -> str:
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
             for f in sorted(files):
                 if f.endswith((".py", ".cpp", ".h")):
+                    path = os.path.join(root, f)
                     try:
-                        st = os.stat(os.path.join(root, f))
+                        st = os.stat(path)
                     except OSError:
                         continue
-                    h.update(f"{os.path.relpath(os.path.join(root, f), package)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                    h.update(f"{os.path.relpath(path, package)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         stamp = _stamps[package] = h.hexdigest()[:16]
     return stamp

@@ -61,7 +61,6 @@ class GraphPlan:
 _INFOS: dict[str, _ops.OpInfo] = {}
 
 
-
 def _no_dropout(target: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
     """An attention kernel tagged as drawing random numbers for its dropout, called with `dropout_p` 0
     (CPU's flash attention, which SDPA picks on neuron as on CPU): it draws none."""
@@ -70,6 +69,7 @@ def _no_dropout(target: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
             v = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else a.default_value)
             return isinstance(v, (int, float)) and v == 0
     return False
+
 
 def _info(op: Any) -> _ops.OpInfo:
     q = _ops.qualname_of(op)
