@@ -97,7 +97,8 @@ def analyse(path: Path, wall_s: float, exclude_tid: int | None) -> dict[str, Any
                 if e["tid"] in op_tids and e["name"].startswith("neuron::") and pred(e["name"])
                 and e["ts"] < t1 and e["ts"] + e["dur"] > t0]
 
-    named = _union(clipped(lambda n: True))
+    ranges = clipped(lambda n: True)
+    named = _union(ranges)
     by_kind = {}
     for kind in KINDS:
         ms = _union(clipped(lambda n, k=kind: n.removeprefix("neuron::").split(" ")[0].split("[")[0].split(".")[0] == k))
@@ -107,7 +108,7 @@ def analyse(path: Path, wall_s: float, exclude_tid: int | None) -> dict[str, Any
     # Executable runs on the device track (the op's own work, the ops' thread waits on it): with the named
     # ranges, what the trace accounts for; the rest is PyTorch's own (autograd, modules, the optimizer).
     runs = [(max(e["ts"], t0), min(e["ts"] + e["dur"], t1)) for e in device if e["ts"] < t1 and e["ts"] + e["dur"] > t0]
-    covered = _union(clipped(lambda n: True) + runs)
+    covered = _union(ranges + runs)
     return {"wall_ms": round(wall_s * 1000, 2), "trace_step_ms": round((t1 - t0) / 1000, 2),
             "named_share": round(named / (t1 - t0), 4), "named_ms_by_kind": by_kind,
             "named_or_device_share": round(covered / (t1 - t0), 4),

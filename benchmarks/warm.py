@@ -51,17 +51,18 @@ torch.manual_seed(0)
 train_decoder(Decoder(vocab=256, d=64, heads=4).to('neuron'), (12, 20), vocab=256)
 """
 
-# A Hugging Face LlamaForCausalLM from a config (--workload llama; cold_start.py's 4-layer model): one
-# training step, what a real model asks a CI warm-up to compile (~65 signatures).
+# A Hugging Face LlamaForCausalLM from a config (--workload llama; cold_start.py's 4-layer model, its
+# `LLAMA["llama"]`): one training step, what a real model asks a CI warm-up to compile (~50 signatures).
 LLAMA = """
-import torch
+import sys, torch
+sys.path.insert(0, __BENCH__)
+from cold_start import LLAMA
 from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=4, max_position_embeddings=256)
-model = LlamaForCausalLM(cfg).to('neuron')
+cfg, (batch, seq) = LLAMA["llama"]
+model = LlamaForCausalLM(LlamaConfig(**cfg)).to('neuron')
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-x = torch.randint(0, 4096, (2, 128), device='neuron')
+x = torch.randint(0, cfg["vocab_size"], (batch, seq), device='neuron')
 model(input_ids=x, labels=x).loss.backward()
 opt.step()
 """
@@ -137,8 +138,8 @@ def main() -> int:
         # 1. the workload
         full = root / "full.jsonl"
         job = root / f"{args.workload}.py"
-        job.write_text(MLP if args.workload == "mlp" else LLAMA if args.workload == "llama" else
-                       DECODER.replace("__BENCH__", repr(str(Path(__file__).resolve().parent))))
+        job.write_text((MLP if args.workload == "mlp" else LLAMA if args.workload == "llama" else DECODER)
+                       .replace("__BENCH__", repr(str(Path(__file__).resolve().parent))))
         # sync mode, as `neuron-cache warm` records: a signature is recorded when its executable is loaded,
         # which in background mode may come after a short job has ended
         _run([sys.executable, str(job)], _env(TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_RECORD_FILE=str(full),
