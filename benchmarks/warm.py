@@ -15,7 +15,7 @@ Method (JSON on stdout, progress on stderr; every measured thing is a separate p
 The tier is `aoti` unless --tier says otherwise (`reference` runs in seconds but compiles nothing real);
 the JSON states it, the CPU count and the load average, because this host is shared.
 
-    python benchmarks/warm.py [--tier aoti|reference] [--workload mlp|decoder|llama] [--ops N] [--rounds 1] [--first-step-job tiny|mlp]
+    python benchmarks/warm.py [--tier aoti|reference] [--workload mlp|decoder|llama|llamas] [--ops N] [--rounds 1] [--first-step-job tiny|mlp]
 """
 
 from __future__ import annotations
@@ -51,21 +51,24 @@ torch.manual_seed(0)
 train_decoder(Decoder(vocab=256, d=64, heads=4).to('neuron'), (12, 20), vocab=256)
 """
 
-# A Hugging Face LlamaForCausalLM from a config (--workload llama; cold_start.py's 4-layer model, its
-# `LLAMA["llama"]`): one training step, what a real model asks a CI warm-up to compile (~50 signatures).
+# Hugging Face LlamaForCausalLMs from a config (cold_start.py's `LLAMA`): one training step each, what a
+# real model asks a CI warm-up to compile. --workload llama: the 4-layer model (~50 signatures); llamas:
+# both sizes (~100), as a warm-up of a fleet's several models would.
 LLAMA = """
 import sys, torch
 sys.path.insert(0, __BENCH__)
 from cold_start import LLAMA
 from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-cfg, (batch, seq) = LLAMA["llama"]
-model = LlamaForCausalLM(LlamaConfig(**cfg)).to('neuron')
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-x = torch.randint(0, cfg["vocab_size"], (batch, seq), device='neuron')
-model(input_ids=x, labels=x).loss.backward()
-opt.step()
+for name in __MODELS__:
+    torch.manual_seed(0)
+    cfg, (batch, seq) = LLAMA[name]
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).to('neuron')
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, cfg["vocab_size"], (batch, seq), device='neuron')
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
 """
+LLAMA_MODELS = {"llama": ["llama"], "llamas": ["llama", "llama_small"]}
 
 FIRST_STEP = {
     # a tiny inference step: 4 compiled ops (mm, add, relu, sum); fits a cold aoti run in a minute
@@ -122,9 +125,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tier", default="aoti", choices=["aoti", "reference"])
     p.add_argument("--ops", type=int, help="signatures in the speed-up workload (default: 8 of mlp, all of decoder)")
-    p.add_argument("--workload", default="mlp", choices=["mlp", "decoder", "llama"],
+    p.add_argument("--workload", default="mlp", choices=["mlp", "decoder", *LLAMA_MODELS],
                    help="the job whose recorded signatures are compiled (decoder: 34 signatures; llama: a "
-                        "Hugging Face LlamaForCausalLM step)")
+                        "Hugging Face LlamaForCausalLM step, ~50; llamas: two sizes' steps, ~100)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--first-step-job", default="tiny", choices=sorted(FIRST_STEP))
     p.add_argument("--skip-first-step", action="store_true")
@@ -138,8 +141,9 @@ def main() -> int:
         # 1. the workload
         full = root / "full.jsonl"
         job = root / f"{args.workload}.py"
-        job.write_text((MLP if args.workload == "mlp" else LLAMA if args.workload == "llama" else DECODER)
-                       .replace("__BENCH__", repr(str(Path(__file__).resolve().parent))))
+        text = MLP if args.workload == "mlp" else DECODER if args.workload == "decoder" else LLAMA
+        job.write_text(text.replace("__BENCH__", repr(str(Path(__file__).resolve().parent)))
+                       .replace("__MODELS__", repr(LLAMA_MODELS.get(args.workload))))
         # sync mode, as `neuron-cache warm` records: a signature is recorded when its executable is loaded,
         # which in background mode may come after a short job has ended
         _run([sys.executable, str(job)], _env(TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_RECORD_FILE=str(full),

@@ -364,6 +364,22 @@ def _confirm_fleet(cfg: _config.Config, keys: list[str], attempts: int = 3) -> l
     return missing
 
 
+def tensor_count(sig: dict[str, Any]) -> int:
+    """The tensors a signature takes: the order of its compile cost (a foreach op over a model's
+    parameters lowers a kernel per tensor, seconds where an elementwise op takes a fraction of one)."""
+    n = 0
+    for arg in sig.get("args") or ():
+        if isinstance(arg, list) and len(arg) == 3:
+            n += len(arg[2]) if arg[1] == "tensors" and isinstance(arg[2], list) else arg[1] == "tensor"
+    return n
+
+
+def compile_order(tasks: list[tuple[int, dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:
+    """The costliest first (otherwise in manifest order), so the last batches are short ones that end
+    together on every worker: an optimizer's foreach ops, recorded last, would be one worker's long tail."""
+    return sorted(tasks, key=lambda t: -tensor_count(t[1]))
+
+
 class _Pool:
     """N worker processes (`_service._server.WorkerPool`) fed from one queue; a worker that dies or runs
     past --timeout costs only its current signature (reported with the reason) and is replaced."""
@@ -380,7 +396,7 @@ class _Pool:
         from neuron_runtime.executables._service._server import WorkerPool
 
         work: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
-        for i, sig in tasks:
+        for i, sig in compile_order(tasks):
             # A shape class falls back to the exact shape it was recorded with when the tier has no
             # generic executable for it (the worker tries the candidates in order).
             work.put((i, {"signatures": [sig, sig["example"]]} if _shapes.is_class(sig) else {"signature": sig}))
@@ -395,6 +411,8 @@ class _Pool:
                 return None
 
         def more_tasks(limit: int) -> list[tuple[int, dict[str, Any]]]:
+            # Batches shrink as the queue does (each at most its share of half the tasks left per worker).
+            limit = min(limit, -(-(work.qsize() + 1) // (2 * self.n)) - 1)
             out = []
             while len(out) < limit and (t := next_task()) is not None:
                 out.append(t)

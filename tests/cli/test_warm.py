@@ -184,3 +184,20 @@ def test_warm_records_and_compiles_torch_compile_graphs(tmp_path: Path, capfd: p
     assert r.returncode == 0, r.stderr
     g = json.loads(graphs.read_text())
     assert g["compiles"] == 0 and g["graph_executions"] == 4 and g["graph_eager_runs"] == 0
+
+
+def test_costliest_signatures_are_handed_out_first() -> None:
+    """The compile queue starts with the signatures of most tensors (an optimizer's foreach ops, recorded
+    last): started last, one of them would be a single worker's long tail."""
+    import torch
+
+    from neuron_runtime.cli._warm import compile_order, tensor_count
+    from neuron_runtime.signatures import _ops, _signature
+
+    xs = [torch.zeros(3), torch.zeros(2, 2), torch.zeros(5)]
+    add = _signature.build(_ops.classify("aten::add.Tensor"), (xs[0], xs[0], 1))
+    foreach = _signature.build(_ops.classify("aten::_foreach_add_.Scalar"), (xs, 1.0))
+    arange = _signature.build(_ops.classify("aten::arange.start_step"), (0, 4, 1))
+    assert (tensor_count(foreach), tensor_count(add), tensor_count(arange)) == (3, 2, 0)
+    tasks = list(enumerate([arange, add, foreach, add]))
+    assert [i for i, _ in compile_order(tasks)] == [2, 1, 3, 0]
