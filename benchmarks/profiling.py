@@ -7,8 +7,13 @@ Each workload runs in fresh processes on an empty local tier (and fresh Inductor
 For each profiled step: its wall time, the share of it inside `neuron::*` ranges on the threads that ran
 its ops (the union of the ranges, the background thread left out: its work overlaps the step), that
 time by range kind, the device track's runs (count, summed duration), and the share inside a named range
-or an executable's run on the device track (`named_or_device_share`). Workloads: `demo` (`make
-demo`'s model and step) and `mlp` (LayerNorm, dropout, a new batch size every step, `loss.item()`).
+or an executable's run on the device track (`named_or_device_share`), and the time in neither
+(`unnamed_ms`). The same steps run on CPU too (`<workload>/cpu`): PyTorch's own cost of a first step
+(modules, autograd's first run, the optimizer's state), to hold the unnamed time against; a first step's
+`added_over_cpu_ms` is its time beyond CPU's, `named_share_of_added` the named ranges' share of that. A session's
+first range costs the profiler ~1 ms of its own: a throwaway range before the step's keeps it out.
+Workloads: `demo` (`make demo`'s model and step) and `mlp` (LayerNorm, dropout, a new batch size every
+step, `loss.item()`).
 
     python benchmarks/profiling.py [--tier aoti|reference] [--workloads demo,mlp] [--modes sync,background]
 """
@@ -29,7 +34,7 @@ JOB = r"""
 import json, sys, time, torch, neuron_runtime
 from neuron_runtime.aten import _dispatch
 from torch.profiler import profile, record_function
-workload, trace = sys.argv[1], sys.argv[2]
+workload, trace, dev = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.manual_seed(0)
 if workload == "demo":
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
@@ -39,11 +44,11 @@ else:
                                 torch.nn.Dropout(0.1), torch.nn.Linear(256, 256), torch.nn.GELU(),
                                 torch.nn.Linear(256, 16))
     sizes, width, classes = [48, 64, 40, 64, 56, 32, 64, 48], 128, 16
-model = model.to("neuron")
+model = model.to(dev)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 def step(i):
-    x = torch.randn(sizes[i], width).to("neuron")
-    y = torch.randint(0, classes, (sizes[i],)).to("neuron")
+    x = torch.randn(sizes[i], width).to(dev)
+    y = torch.randint(0, classes, (sizes[i],)).to(dev)
     opt.zero_grad(set_to_none=True)
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
@@ -51,6 +56,8 @@ def step(i):
     return loss.item()
 def profiled(i, name):
     with profile() as p:
+        with record_function("profiler warm-up"):  # the first range of a session costs ~1 ms of its own
+            pass
         with record_function("step"):
             t0 = time.perf_counter()
             step(i)
@@ -110,14 +117,14 @@ def analyse(path: Path, wall_s: float, exclude_tid: int | None) -> dict[str, Any
     runs = [(max(e["ts"], t0), min(e["ts"] + e["dur"], t1)) for e in device if e["ts"] < t1 and e["ts"] + e["dur"] > t0]
     covered = _union(ranges + runs)
     return {"wall_ms": round(wall_s * 1000, 2), "trace_step_ms": round((t1 - t0) / 1000, 2),
-            "named_share": round(named / (t1 - t0), 4), "named_ms_by_kind": by_kind,
-            "named_or_device_share": round(covered / (t1 - t0), 4),
+            "named_ms": round(named / 1000, 2), "named_share": round(named / (t1 - t0), 4), "named_ms_by_kind": by_kind,
+            "named_or_device_share": round(covered / (t1 - t0), 4), "unnamed_ms": round((t1 - t0 - covered) / 1000, 2),
             "device_runs": len(device), "device_ms": round(sum(e["dur"] for e in device) / 1000, 2)}
 
 
-def run(work: Path, env: dict[str, str], workload: str, name: str) -> dict[str, Any]:
+def run(work: Path, env: dict[str, str], workload: str, name: str, dev: str = "neuron") -> dict[str, Any]:
     trace = work / f"{name}-"
-    r = subprocess.run([sys.executable, "-c", JOB, workload, str(trace)], env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", JOB, workload, str(trace), dev], env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-3000:])
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -133,6 +140,15 @@ def main() -> int:
     args = p.parse_args()
     results: dict[str, Any] = {"tier": args.tier, "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
     for workload in args.workloads.split(","):
+        # The same steps on CPU: PyTorch's own cost of a first step (modules, autograd's first run, the
+        # optimizer's state), which no range of ours can name; a neuron step's unnamed time compares to it.
+        work = Path(tempfile.mkdtemp(prefix="neuron-profiling-"))
+        try:
+            cpu = run(work, dict(os.environ, OMP_NUM_THREADS="1"), workload, "cpu", "cpu")
+            results[f"{workload}/cpu"] = {k: {"wall_ms": cpu[k]["wall_ms"], "trace_step_ms": cpu[k]["trace_step_ms"]}
+                                          for k in ("first_step", "hit_step")}
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
         for mode in args.modes.split(","):
             work = Path(tempfile.mkdtemp(prefix="neuron-profiling-"))
             (work / "tmp").mkdir()
@@ -141,9 +157,14 @@ def main() -> int:
                        TORCH_NEURONX_NEFF_CACHE_DIR="", TORCH_NEURONX_PREFETCH="0", TMPDIR=str(work / "tmp"),
                        TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
             try:
-                results[f"{workload}/{mode}"] = {"cold_process": run(work, env, workload, "cold"),
-                                                 "warm_process": run(work, env, workload, "warm"),
-                                                 "loadavg": [round(x, 2) for x in os.getloadavg()]}
+                res = {"cold_process": run(work, env, workload, "cold"), "warm_process": run(work, env, workload, "warm"),
+                       "loadavg": [round(x, 2) for x in os.getloadavg()]}
+                for proc in ("cold_process", "warm_process"):
+                    # What the runtime adds to the first step over CPU's, and the share of that in named ranges.
+                    first = res[proc]["first_step"]
+                    first["added_over_cpu_ms"] = round(first["trace_step_ms"] - cpu["first_step"]["trace_step_ms"], 2)
+                    first["named_share_of_added"] = round(min(1.0, first["named_ms"] / max(first["added_over_cpu_ms"], 1e-9)), 4)
+                results[f"{workload}/{mode}"] = res
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             print(json.dumps({f"{workload}/{mode}": results[f"{workload}/{mode}"]}), file=sys.stderr, flush=True)

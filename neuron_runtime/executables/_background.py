@@ -91,6 +91,11 @@ class Background:
         self._warned: set[str] = set()
         if self.cfg.job and self.cfg.prefetch:
             self._named(self.cfg.job)
+        if self.cfg.compile_mode == "background":
+            # Ms of Python (the client module's import, the stamp of the package's files) done now, on this
+            # module's thread, rather than when the first step's first miss needs the service: there they
+            # held the GIL against the step's own ops (up to the 5 ms switch interval at a time).
+            self._push(("prepare", 0))
         atexit.register(self.close)
 
     # -- called by the resolver (any thread) --------------------------------------------------------
@@ -231,6 +236,8 @@ class Background:
                             self.cv.notify_all()
                 elif kind == "answer":
                     self._answer(arg)
+                elif kind == "prepare":
+                    _prepare_service()
             except Exception as e:  # noqa: BLE001 - background trouble is a warning, never the user's error
                 self._warn(f"{kind}:{type(e).__name__}", f"neuron: background {kind} failed ({type(e).__name__}: "
                            f"{e}); the ops it concerns run on the host meanwhile")
@@ -549,6 +556,15 @@ def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[A
 
     d = service_dir()
     return d, d.name(identity), env
+
+
+def _prepare_service() -> None:
+    """What `service_address` spends ms of Python on, done ahead (its identity's other parts, the local
+    tier's directory among them, may only exist at the first miss)."""
+    from .. import __file__ as package_file
+    from ._service import _client  # noqa: F401
+
+    code_stamp(os.path.dirname(package_file))
 
 
 _stamps: dict[str, str] = {}
