@@ -15,7 +15,7 @@ Method (JSON on stdout, progress on stderr; every measured thing is a separate p
 The tier is `aoti` unless --tier says otherwise (`reference` runs in seconds but compiles nothing real);
 the JSON states it, the CPU count and the load average, because this host is shared.
 
-    python benchmarks/warm.py [--tier aoti|reference] [--workload mlp|decoder|llama|llamas] [--ops N] [--rounds 1] [--first-step-job tiny|mlp]
+    python benchmarks/warm.py [--tier aoti|reference] [--workload mlp|decoder|llama|llamas[,...]] [--ops N] [--rounds 1] [--first-step-job tiny|mlp]
 """
 
 from __future__ import annotations
@@ -125,33 +125,39 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tier", default="aoti", choices=["aoti", "reference"])
     p.add_argument("--ops", type=int, help="signatures in the speed-up workload (default: 8 of mlp, all of decoder)")
-    p.add_argument("--workload", default="mlp", choices=["mlp", "decoder", *LLAMA_MODELS],
-                   help="the job whose recorded signatures are compiled (decoder: 34 signatures; llama: a "
-                        "Hugging Face LlamaForCausalLM step, ~50; llamas: two sizes' steps, ~100)")
+    p.add_argument("--workload", default="mlp",
+                   help="the job whose recorded signatures are compiled (mlp; decoder: 34 signatures; llama: a "
+                        "Hugging Face LlamaForCausalLM step, ~50; llamas: two sizes' steps, ~63), or several, "
+                        "comma-separated, recorded into one manifest (a CI warm-up of a fleet's models)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--first-step-job", default="tiny", choices=sorted(FIRST_STEP))
     p.add_argument("--skip-first-step", action="store_true")
     p.add_argument("--cold-scratch", action="store_true",
                    help="a fresh Inductor scratch directory per compile run (default: shared, pre-warmed)")
     args = p.parse_args()
+    workloads = args.workload.split(",")
+    for w in workloads:
+        if w not in ("mlp", "decoder", *LLAMA_MODELS):
+            p.error(f"--workload {w}: one of mlp, decoder, {', '.join(LLAMA_MODELS)}")
     root = Path(tempfile.mkdtemp(prefix="neuron-warm-bench-"))
     out: dict[str, Any] = {"tier": args.tier, "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
                            "omp_num_threads": _env()["OMP_NUM_THREADS"]}
     try:
         # 1. the workload
         full = root / "full.jsonl"
-        job = root / f"{args.workload}.py"
-        text = MLP if args.workload == "mlp" else DECODER if args.workload == "decoder" else LLAMA
-        job.write_text(text.replace("__BENCH__", repr(str(Path(__file__).resolve().parent)))
-                       .replace("__MODELS__", repr(LLAMA_MODELS.get(args.workload))))
-        # sync mode, as `neuron-cache warm` records: a signature is recorded when its executable is loaded,
-        # which in background mode may come after a short job has ended
-        _run([sys.executable, str(job)], _env(TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_RECORD_FILE=str(full),
-                                              TORCH_NEURONX_COMPILE_MODE="sync",
-                                              TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(root / "rec")), "recording")
-        lines = full.read_text().splitlines()
+        for w in workloads:
+            job = root / f"{w}.py"
+            text = MLP if w == "mlp" else DECODER if w == "decoder" else LLAMA
+            job.write_text(text.replace("__BENCH__", repr(str(Path(__file__).resolve().parent)))
+                           .replace("__MODELS__", repr(LLAMA_MODELS.get(w))))
+            # sync mode, as `neuron-cache warm` records: a signature is recorded when its executable is
+            # loaded, which in background mode may come after a short job has ended
+            _run([sys.executable, str(job)], _env(TORCH_NEURONX_COMPILER="reference", TORCH_NEURONX_RECORD_FILE=str(full),
+                                                  TORCH_NEURONX_COMPILE_MODE="sync",
+                                                  TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(root / "rec")), f"recording {w}")
+        lines = list(dict.fromkeys(full.read_text().splitlines()))  # a signature two jobs share, once
         if args.ops is None:
-            args.ops = 8 if args.workload == "mlp" else len(lines) - 1  # the last one pre-warms the scratch
+            args.ops = 8 if workloads == ["mlp"] else len(lines) - 1  # the last one pre-warms the scratch
         manifest = root / "manifest.jsonl"
         manifest.write_text("\n".join(lines[: args.ops]) + "\n")
         out["scratch"] = "fresh per run" if args.cold_scratch else "shared, pre-warmed"
