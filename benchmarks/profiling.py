@@ -134,6 +134,14 @@ def run(work: Path, env: dict[str, str], workload: str, name: str, dev: str = "n
             "hit_step": analyse(Path(f"{trace}hit.json"), out.pop("hit"), out.pop("bg_tid")), **out}
 
 
+def _env(work: Path, tier: str, mode: str) -> dict[str, str]:
+    """A run's environment: everything it writes (tiers, Inductor's scratch, temporary files) under `work`."""
+    (work / "tmp").mkdir(exist_ok=True)
+    return dict(os.environ, OMP_NUM_THREADS="1", TORCH_NEURONX_COMPILER=tier, TORCH_NEURONX_COMPILE_MODE=mode,
+                TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(work / "local"), TORCH_NEURONX_NEFF_CACHE_DIR="",
+                TORCH_NEURONX_PREFETCH="0", TMPDIR=str(work / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tier", default="aoti", choices=["aoti", "reference"])
@@ -147,7 +155,7 @@ def main() -> int:
         # Three processes, the median: a CPU first step is a few ms, and one-off costs swing it.
         work = Path(tempfile.mkdtemp(prefix="neuron-profiling-"))
         try:
-            cpus = [run(work, dict(os.environ, OMP_NUM_THREADS="1"), workload, f"cpu{i}", "cpu") for i in range(3)]
+            cpus = [run(work, _env(work, args.tier, "sync"), workload, f"cpu{i}", "cpu") for i in range(3)]
             results[f"{workload}/cpu"] = {k: {m: statistics.median(c[k][m] for c in cpus) for m in ("wall_ms", "trace_step_ms")}
                                           for k in ("first_step", "hit_step")}
             cpu = results[f"{workload}/cpu"]
@@ -155,11 +163,7 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
         for mode in args.modes.split(","):
             work = Path(tempfile.mkdtemp(prefix="neuron-profiling-"))
-            (work / "tmp").mkdir()
-            env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_NEURONX_COMPILER=args.tier,
-                       TORCH_NEURONX_COMPILE_MODE=mode, TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(work / "local"),
-                       TORCH_NEURONX_NEFF_CACHE_DIR="", TORCH_NEURONX_PREFETCH="0", TMPDIR=str(work / "tmp"),
-                       TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
+            env = _env(work, args.tier, mode)
             try:
                 res = {"cold_process": run(work, env, workload, "cold"), "warm_process": run(work, env, workload, "warm"),
                        "loadavg": [round(x, 2) for x in os.getloadavg()]}

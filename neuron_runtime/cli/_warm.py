@@ -365,13 +365,13 @@ def _confirm_fleet(cfg: _config.Config, keys: list[str], attempts: int = 3) -> l
 
 
 def tensor_count(sig: dict[str, Any]) -> int:
-    """The tensors a signature takes: the order of its compile cost (a foreach op over a model's
-    parameters lowers a kernel per tensor, seconds where an elementwise op takes a fraction of one)."""
-    n = 0
-    for arg in sig.get("args") or ():
-        if isinstance(arg, list) and len(arg) == 3:
-            n += len(arg[2]) if arg[1] == "tensors" and isinstance(arg[2], list) else arg[1] == "tensor"
-    return n
+    """The tensors a signature takes (a fused group's or graph's nodes' too): the order of its compile cost
+    (a foreach op over a model's parameters lowers a kernel per tensor, seconds where an elementwise op
+    takes a fraction of one). A malformed signature counts 0: its worker reports what is wrong with it."""
+    try:
+        return len(_shapes._tensors(sig))
+    except (KeyError, TypeError, ValueError):
+        return 0
 
 
 def compile_order(tasks: list[tuple[int, dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:
