@@ -169,7 +169,7 @@ print(json.dumps(out))
 
 def kind(sig: dict[str, Any]) -> str:
     """The kind of work a signature is (what the issue's target names)."""
-    from neuron_runtime._profiling import kind_of
+    from neuron_runtime.signatures import kind_of
 
     if kind_of(sig) != "op":  # graph, fused, class
         return kind_of(sig)

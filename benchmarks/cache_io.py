@@ -32,7 +32,7 @@ _pkg = types.ModuleType("neuron_runtime")
 _pkg.__path__ = [str(_ROOT / "neuron_runtime")]
 sys.modules.setdefault("neuron_runtime", _pkg)
 
-from neuron_runtime import envelope  # noqa: E402
+from neuron_runtime.cache import envelope  # noqa: E402
 from neuron_runtime._config import Config  # noqa: E402
 from neuron_runtime.cache import CacheBackend, LocalCache, S3Store, SharedPathStore, TieredCache  # noqa: E402
 

@@ -42,7 +42,8 @@ print(json.dumps({"compiles": s["compiles"], "hits": s["hits"], "fallback_ops": 
 LOADS = r"""
 import json, statistics, sys, time
 import neuron_runtime
-from neuron_runtime import _config, envelope
+from neuron_runtime import _config
+from neuron_runtime.cache import envelope
 from neuron_runtime.aten import _dispatch
 from neuron_runtime.cache import LocalCache
 cfg = _config.get()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["fallback_ops", "reset", "stats", "wait_for_compiles", "__version__"]
-__version__ = "0.1.0"
+from ._version import __version__
 
 _loaded = False
 
@@ -23,21 +23,21 @@ def _load() -> None:
     global _loaded
     if _loaded:
         return
-    from .device import _autocast, _conflicts, _register, _rnn, _shims
-    from .aten import _kernels
-    from .executables import _megacache
+    from .device import DEVICE, check_conflicts, install_autocast, install_rnn, install_shims, register_device
+    from .aten import register_kernels
+    from .executables import register_megacache
     from . import _stats, distributed
 
-    _conflicts.check()
+    check_conflicts()
     _configure_logging()
-    _register.register()
-    _kernels.register_all()
-    _autocast.install(_register.DEVICE)
-    _shims.install()
-    _rnn.install()
+    register_device()
+    register_kernels()
+    install_autocast(DEVICE)
+    install_shims()
+    install_rnn()
     _stats.install_exit_hook()
     distributed.register()
-    _megacache.register()  # executables travel in torch.compiler.save_cache_artifacts() bundles
+    register_megacache()  # executables travel in torch.compiler.save_cache_artifacts() bundles
     _loaded = True
     _start_prefetch()
 
@@ -52,10 +52,10 @@ def _start_prefetch() -> None:
     import threading
 
     def make() -> None:
-        from .aten import _dispatch
+        from .aten import runtime
 
         try:
-            _dispatch.runtime()
+            runtime()
         except Exception:  # noqa: BLE001 - a bad setting is reported by the first op, in the user's thread
             pass
 
@@ -80,34 +80,34 @@ def _configure_logging() -> None:
 def stats() -> dict[str, Any]:
     """Counters of this process as a JSON-serialisable dict (executions, compiles, fallbacks, corrupt,
     hits per tier, collectives run through `neuron` process groups, ...)."""
-    from .aten import _dispatch
+    from .aten import runtime
 
-    return _dispatch.runtime().stats()
+    return runtime().stats()
 
 
 def fallback_ops() -> list[str]:
     """Ops that ran on the host because they could not be compiled (one warning each)."""
-    from .aten import _dispatch
+    from .aten import runtime
 
-    return sorted(_dispatch.runtime().fallback_ops)
+    return sorted(runtime().fallback_ops)
 
 
 def wait_for_compiles(timeout: float | None = None) -> bool:
     """Block until every executable this process asked the background compile service for is compiled
     and loaded (then the job's ops all run compiled). True when done, False if `timeout` seconds ran
     out first. Returns at once in `sync` mode (TORCH_NEURONX_COMPILE_MODE)."""
-    from .aten import _dispatch
+    from .aten import runtime
 
-    return _dispatch.runtime().resolver.wait(timeout)
+    return runtime().resolver.wait(timeout)
 
 
 def reset() -> None:
     """Re-read the environment and start with empty in-process caches and counters."""
-    from .aten import _dispatch
-    from .device import _torch_neuron
+    from .aten import reset_runtime
+    from .device import set_capacity
 
-    _torch_neuron.set_capacity()
-    _dispatch.reset_runtime()
+    set_capacity()
+    reset_runtime()
 
 
 # Importing torch here (not first inside `_load`) matters when a program imports this package before

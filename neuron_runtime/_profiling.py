@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["NULL", "active", "span", "compile_span", "kind_of"]
+__all__ = ["NULL", "active", "span", "compile_span"]
 
 
 class _Null:
@@ -71,22 +71,11 @@ def span(name: str, **meta: Any) -> Any:
     return _range(name, (), {k: str(v) for k, v in meta.items()})
 
 
-def kind_of(sig: dict[str, Any]) -> str:
-    """op, class (a shape class's generic executable), fused (a fused group) or graph (torch.compile)."""
-    op = str(sig.get("op", ""))
-    if op.startswith("graph:"):
-        return "graph"
-    if op.startswith("fused:"):
-        return "fused"
-    if "shapes" in sig:  # signatures/_shapes.is_class (not imported: signatures/ sits above this module)
-        return "class"
-    return "op"
-
-
-def compile_span(sig: dict[str, Any], key: str, what: str = "compile") -> Any:
-    """`neuron::compile[<kind>] <op> <key prefix>` (or `neuron::load ...`) for signature `sig`."""
+def compile_span(sig: dict[str, Any], key: str, kind: str, what: str = "compile") -> Any:
+    """`neuron::compile[<kind>] <op> <key prefix>` (or `neuron::load ...`) for signature `sig`, whose kind
+    (`signatures.kind_of`: this module sits below the signatures) the caller names."""
     if not active():
         return NULL
     op = str(sig.get("op", "?"))
-    name = f"neuron::{what}[{kind_of(sig)}] {op} {key[:12]}" if what == "compile" else f"neuron::{what} {op} {key[:12]}"
-    return _range(name, (), {"key": key, "kind": kind_of(sig), "op": op})
+    name = f"neuron::{what}[{kind}] {op} {key[:12]}" if what == "compile" else f"neuron::{what} {op} {key[:12]}"
+    return _range(name, (), {"key": key, "kind": kind, "op": op})

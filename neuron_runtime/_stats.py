@@ -12,9 +12,9 @@ _installed = False
 
 
 def write(path: str) -> None:
-    from .aten import _dispatch
+    from .aten import runtime
 
-    data = json.dumps(_dispatch.runtime().stats(), indent=2, sort_keys=True)
+    data = json.dumps(runtime().stats(), indent=2, sort_keys=True)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".stats-")
@@ -24,11 +24,12 @@ def write(path: str) -> None:
 
 
 def _at_exit() -> None:
-    from .aten import _dispatch
+    from .aten import made_runtime
 
-    if _dispatch._runtime is None:
+    rt = made_runtime()
+    if rt is None:
         return  # nothing ran on the device (e.g. a tool that only imported torch): no counters to write
-    path = _dispatch._runtime.cfg.stats_file
+    path = rt.cfg.stats_file
     if path:
         try:
             write(path)

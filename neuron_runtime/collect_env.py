@@ -16,8 +16,8 @@ def collect() -> dict[str, Any]:
 
     import neuron_runtime
     from neuron_runtime import _config, _native
-    from neuron_runtime.aten import _dispatch
-    from neuron_runtime.device._torch_neuron import DEVICE
+    from neuron_runtime.aten import runtime
+    from neuron_runtime.device import DEVICE
 
     cfg = _config.get()
     info: dict[str, Any] = {
@@ -41,7 +41,7 @@ def collect() -> dict[str, Any]:
                         for k, v in sorted(os.environ.items()) if k.startswith("TORCH_NEURONX_")},
     }
     try:
-        info["compiler"] = _dispatch.runtime().fingerprint
+        info["compiler"] = runtime().fingerprint
     except Exception as e:  # noqa: BLE001 - report, don't fail: this is for bug reports
         info["compiler"] = f"unavailable: {type(e).__name__}: {e}"
     return info

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from . import build
+from ._build import build
 
 if __name__ == "__main__":
     print(build())

@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from . import load as _load_native
+from ._build import load as _load_native
 
 _KDL_CPU = 1
 _KDL_EXT_DEV = 12  # PrivateUse1

@@ -11,7 +11,14 @@
     _writes.py    checks on what in-place and out= ops write (device, dtype), in CUDA's words
     _quantized.py quantized tensors: refused with one error wherever one would be made on neuron
 
-A call's signature goes down to `executables/` for its executable. Nothing here is public API.
+A call's signature goes down to `executables/` for its executable. What the layers above use is named
+here; nothing here is public API.
 """
 
-__all__: list[str] = []
+from ._dispatch import alias, forget, made_runtime, reset_runtime, runtime, wrap
+from ._fusion import flush as flush_fusion
+from ._kernels import register_all as register_kernels
+from ._widen import named_dtypes, result_dtypes, run as run_widened
+
+__all__ = ["alias", "flush_fusion", "forget", "made_runtime", "named_dtypes", "register_kernels", "reset_runtime",
+           "result_dtypes", "run_widened", "runtime", "wrap"]

@@ -5,9 +5,9 @@
   * out= ops with no CPU kernel whose CompositeExplicitAutograd kernel refuses any device but CPU/CUDA/XPU
     (`mode.values`): the generic out= kernel (functional executable, then copy into `out`).
   * Ops that mutate arguments and also return fresh tensors (training batch norm: `_native_batch_norm_legit`,
-    `_batch_norm_with_update`), which `_ops.classify` can only run on the host: their `*_functional` twin
+    `_batch_norm_with_update`), which `classify` can only run on the host: their `*_functional` twin
     compiles, and the new running statistics are copied back.
-  * Factories with out= (`_ops.FACTORY_OUT`: arange/linspace/logspace/eye reach these on every device): the
+  * Factories with out= (`FACTORY_OUT`: arange/linspace/logspace/eye reach these on every device): the
     functional factory compiles (its Scalars keyed by value), and its result is copied into `out`.
   * `narrow_copy`: a narrow view and a copy, as on CUDA (CPU's kernel words its argument errors otherwise).
   * `equal`: eq(a, b).all() through executables, then one value read back (CUDA computes it the same way);
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..signatures import _ops
+from ..signatures import FACTORY_OUT, classify, resolve_op
 from . import _dispatch, _generic, _widen
 from ._dispatch import _copy_back_out, alias, wrap
 
@@ -42,7 +42,7 @@ def efficientzerotensor(size: list[int], *, dtype: Any = None, layout: Any = Non
 
 def _generic_kernel(qualname: str) -> Callable[..., Any]:
     """The kernel `_kernels` would build for `qualname` from its kind, ignoring the special tables."""
-    return _generic.kernel(_ops.classify(qualname, special=False))
+    return _generic.kernel(classify(qualname, special=False))
 
 
 def _lazy_generic(qualname: str) -> Callable[..., Any]:
@@ -60,7 +60,7 @@ def _via_functional(qualname: str, functional: str) -> Callable[..., Any]:
     """An op that mutates some arguments *and* returns fresh tensors (training batch norm updates the running
     stats): run its `*_functional` twin, which returns the fresh tensors followed by the new values of the
     mutated arguments, through the generic compiled kernel; then copy those values into the arguments."""
-    schema = _ops._resolve(qualname)._schema
+    schema = resolve_op(qualname)._schema
     mutated = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     n_fresh = len(schema.returns)
     cell: list[Callable[..., Any]] = []
@@ -84,7 +84,7 @@ def _factory_out(functional: str) -> Callable[..., Any]:
 
     def kernel(*args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if not cell:
-            info = _ops.classify(f"aten::{functional}", special=False)
+            info = classify(f"aten::{functional}", special=False)
             info.kind, info.reason = "compute", ""  # classify() calls a device factory "host"
             cell.append(_dispatch._codegen(info))
         _copy_back_out(out, alias(cell[0](*args, dtype=out.dtype, **kwargs)))
@@ -154,7 +154,7 @@ def narrow_copy(self: torch.Tensor, dim: int, start: int, length: int) -> torch.
 
 
 KERNELS: dict[str, Callable[..., Any]] = {
-    **{f"aten::{op}": _factory_out(f) for op, f in _ops.FACTORY_OUT.items()},
+    **{f"aten::{op}": _factory_out(f) for op, f in FACTORY_OUT.items()},
     "aten::_local_scalar_dense": local_scalar_dense,
     "aten::equal": equal,
     "aten::_native_batch_norm_legit": _via_functional("aten::_native_batch_norm_legit",

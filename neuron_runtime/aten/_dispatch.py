@@ -26,12 +26,23 @@ from typing import Any
 import torch
 
 from .. import _config, _profiling
-from .._native import _hostmem, _trace
-from .._native._hostmem import to_cpu, to_neuron
-from ..cache import CacheMissError, IntegrityError, TieredCache
-from ..compiler import CompileRefused, Compiler, Executable
-from ..executables import _megacache, _resolver
-from ..signatures import _ops, _signature
+from .._native import NATIVE, to_cpu, to_neuron, trace_run
+from ..executables import (CacheMissError, CompileRefused, Compiler, Executable, IntegrityError, Resolver, TieredCache,
+                           megacache_stats, set_provider)
+from ..signatures import (
+    OPT_TENSOR,
+    OPT_TENSORS,
+    OpInfo,
+    SCALAR,
+    SCALARS,
+    SignatureError,
+    TENSOR,
+    TENSORS,
+    VALUE,
+    build_signature,
+    canonical,
+    scalar_overload,
+)
 from . import _fusion, _widen
 from ._writes import (_dtype_name, check_mutated, device_error, out_device_error, overlapping, shared_views,
                       spans_meet, spans_meet_lists, spans_touch)
@@ -180,8 +191,8 @@ class Runtime:
         self.widened: dict[tuple[str, Any], _widen.Plan] = {}
         self.widened_ops: dict[str, set[str]] = {}
         FAST[0] = 0
-        if _hostmem.NATIVE is not None:
-            _hostmem.NATIVE.reset_counters()
+        if NATIVE is not None:
+            NATIVE.reset_counters()
         # One dict of counters, shared with the resolver's TieredCache (which adds hits["local"/"fleet"],
         # misses, compiles, corrupt, fleet_errors, writes_skipped, lease_waits).
         self.counts: dict[str, Any] = {"executions": 0, "compiles": 0, "fallbacks": 0, "corrupt": 0,
@@ -192,7 +203,7 @@ class Runtime:
         # op, refusals.
         self.graph_counts = {"graphs": 0, "graph_executions": 0, "graph_eager_runs": 0, "graphs_refused": 0}
         self.waiting: dict[tuple[str, Any], str] = {}  # (op, key) -> cache key compiling in the background
-        self.resolver = _resolver.Resolver(cfg, self.counts, self.lock, on_evict=self._evicted)
+        self.resolver = Resolver(cfg, self.counts, self.lock, on_evict=self._evicted)
         self.fusion = _fusion.install(self)  # None unless TORCH_NEURONX_ENABLE_CONCATENATION=1
 
     @property
@@ -221,7 +232,7 @@ class Runtime:
         with self.lock:
             s: dict[str, Any] = dict(self.counts)
             hits = dict(self.counts["hits"])
-        fast = FAST[0] + (_hostmem.NATIVE.executions() if _hostmem.NATIVE is not None else 0)
+        fast = FAST[0] + (NATIVE.executions() if NATIVE is not None else 0)
         s["executions"] += fast
         hits["memory"] += fast
         s["hits"] = hits
@@ -238,7 +249,7 @@ class Runtime:
             s["background"] = bg.stats()
         if self.fusion is not None:
             s["fusion"] = self.fusion.counters()
-        s["megacache"] = _megacache.stats()
+        s["megacache"] = megacache_stats()
         group = sys.modules.get("neuron_runtime.distributed._group")
         if group is not None:
             s["collectives"] = group.counts()
@@ -263,10 +274,10 @@ class Runtime:
         _forget_native()
 
     # -- fallbacks --------------------------------------------------------------------------------
-    def note_fallback(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any] | None, why: str) -> None:
+    def note_fallback(self, info: OpInfo, key: Any, sig: dict[str, Any] | None, why: str) -> None:
         name = info.qualname
         if not self.cfg.fallback:
-            detail = "" if sig is None else f"; signature {_signature.canonical(sig).decode()}"
+            detail = "" if sig is None else f"; signature {canonical(sig).decode()}"
             raise FallbackDisabledError(
                 f"{name} cannot run compiled ({why}) and TORCH_NEURONX_FALLBACK=0 forbids running it on "
                 f"the host{detail}")
@@ -278,7 +289,7 @@ class Runtime:
                               UserWarning, stacklevel=4)
 
     # -- the slow path of compute / mutating kernels ----------------------------------------------
-    def slow_call(self, info: _ops.OpInfo, exes: dict[Any, Executable], key: Any,
+    def slow_call(self, info: OpInfo, exes: dict[Any, Executable], key: Any,
                   values: tuple[Any, ...]) -> Any:
         """Everything but a hit: check devices, find or make the executable, run it, check the result
         against the op's contract once, then let the hit path serve this key. A profiler sees it as
@@ -289,7 +300,7 @@ class Runtime:
         with _profiling.span(f"neuron::miss {info.qualname}"):
             return self._slow_call(info, exes, key, values)
 
-    def _slow_call(self, info: _ops.OpInfo, exes: dict[Any, Executable], key: Any,
+    def _slow_call(self, info: OpInfo, exes: dict[Any, Executable], key: Any,
                    values: tuple[Any, ...]) -> Any:
         if self.fusion is not None:
             self.fusion.flush_for(info)  # ops run in stream order: queued ones first
@@ -301,7 +312,7 @@ class Runtime:
         f = info if inplace else info.functional or info
         fvalues = values if f is info else tuple(v for a, v in zip(info.args, values)
                                                  if not (a.mutable and a.kwarg_only))
-        host_values = tuple(to_host(v, strict=a.kind != _ops.OPT_TENSORS) for a, v in zip(info.args, values))
+        host_values = tuple(to_host(v, strict=a.kind != OPT_TENSORS) for a, v in zip(info.args, values))
         if other_out:  # out= of another dtype: the CPU out= kernel applies PyTorch's rules for it
             return self.host_or_widen(info, key, values, host_values)[0]
         if info.mutable and overlapping(info, values):
@@ -316,11 +327,11 @@ class Runtime:
                 self.resolver.background.lookup(waited)[0]:
             return self.host_or_widen(info, key, values, host_values, counter="host_runs")[0]
         try:
-            sig = _signature.build(f, fvalues)
+            sig = build_signature(f, fvalues)
             if inplace:
                 sig["writes"] = list(info.mutable)
             exe, digest = self.resolver.resolve(sig)
-        except (CompileRefused, _signature.SignatureError) as e:
+        except (CompileRefused, SignatureError) as e:
             return self.refused(info, key, None, str(e), values, host_values)
         except (CacheMissError, IntegrityError):
             raise
@@ -337,7 +348,7 @@ class Runtime:
         # restored before the host runs the op (the first call of a key; see compiler._base).
         saved = [h.clone() for h in _mutated_views(info, host_values)] if inplace else []
         try:
-            outs = _trace.run(exe, tensors, scalars)
+            outs = trace_run(exe, tensors, scalars)
         except Exception as e:  # noqa: BLE001
             for h, c in zip(_mutated_views(info, host_values), saved):
                 h.copy_(c)
@@ -361,13 +372,13 @@ class Runtime:
             _forget_native()
         return result
 
-    def writes_in_place(self, info: _ops.OpInfo) -> bool:
+    def writes_in_place(self, info: OpInfo) -> bool:
         """Whether this op's executables write its mutated tensor lists in place (`compiler._base`)
         rather than return fresh results to copy back: the compiler tier can, and fusion is off (its
         groups learn from functional results)."""
         return info.writes_lists and self.fusion is None and self.compiler.writes_inputs
 
-    def refused(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any] | None, why: str,
+    def refused(self, info: OpInfo, key: Any, sig: dict[str, Any] | None, why: str,
                 values: tuple[Any, ...], host_values: tuple[Any, ...]) -> Any:
         """The compiler refused the key: the host runs it (a fallback), or, if the host kernel lacks an
         input's dtype, the op computes wider through executables (not a fallback)."""
@@ -378,7 +389,7 @@ class Runtime:
             self.note_fallback(info, key, sig, why)
         return result
 
-    def host_or_widen(self, info: _ops.OpInfo, key: Any, values: tuple[Any, ...], host_values: tuple[Any, ...],
+    def host_or_widen(self, info: OpInfo, key: Any, values: tuple[Any, ...], host_values: tuple[Any, ...],
                       fallback: bool = False, counter: str | None = None) -> tuple[Any, bool]:
         """`host_call`, unless the host kernel lacks a dtype of the inputs: then the op computes in the
         nearest wider dtype the host has (`_widen`). Returns (result, widened)."""
@@ -389,7 +400,7 @@ class Runtime:
                 raise
             return self.widen(info, key, values, err=e), True
 
-    def widen(self, info: _ops.OpInfo, key: Any, values: tuple[Any, ...], err: BaseException | None = None,
+    def widen(self, info: OpInfo, key: Any, values: tuple[Any, ...], err: BaseException | None = None,
               plan: _widen.Plan | None = None) -> Any:
         args = [v for a, v in zip(info.args, values) if not a.kwarg_only]
         kwargs = {a.name: v for a, v in zip(info.args, values) if a.kwarg_only}
@@ -404,7 +415,7 @@ class Runtime:
             self.widened_ops.setdefault(qualname, set()).add(how)
             self.counts["widened"] += 1
 
-    def finish(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
+    def finish(self, info: OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
                outs: list[torch.Tensor]) -> Any:
         if info.kind != "mutating":
             if info.returns_list:
@@ -424,7 +435,7 @@ class Runtime:
         return self.mutating_result(info, values, names)
 
     @staticmethod
-    def mutating_result(info: _ops.OpInfo, values: tuple[Any, ...], names: list[str]) -> Any:
+    def mutating_result(info: OpInfo, values: tuple[Any, ...], names: list[str]) -> Any:
         rets = [values[names.index(r)] for r in info.returns_args]
         if info.n_returns == 0:
             return None
@@ -432,7 +443,7 @@ class Runtime:
             return rets[0]
         return tuple(rets)
 
-    def host_shared(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...]) -> Any:
+    def host_shared(self, info: OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...]) -> Any:
         """The op itself on CPU views that share storage as the neuron tensors do (`_writes.shared_views`),
         out= tensors included: CPU's kernel sees the aliasing and applies its own rules to it."""
         args = [h for a, h in zip(info.args, host_values) if not a.kwarg_only]
@@ -457,7 +468,7 @@ class Runtime:
             self.counts["host_ops"] += 1
         return rewrap(out, values, host_values, to_cpu_result=_wants_cpu(info, values))
 
-    def host_call(self, info: _ops.OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
+    def host_call(self, info: OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...],
                   fallback: bool = False, counter: str | None = None) -> Any:
         """Run the op itself on CPU views; outputs that are an input's view come back as that input.
 
@@ -496,17 +507,17 @@ _HOST_SPANS = {"host_runs": "neuron::host_run ", "fallbacks": "neuron::fallback 
 _TAKE_NUMBERS = frozenset({"aten::add", "aten::sub", "aten::mul", "aten::div"})
 
 
-def _op_for_numbers(info: _ops.OpInfo, args: list[Any], kwargs: dict[str, Any]) -> Any:
+def _op_for_numbers(info: OpInfo, args: list[Any], kwargs: dict[str, Any]) -> Any:
     """The overload to call on the host: a Python number in a Tensor slot needs the Scalar overload,
     except for the ops that take it as a wrapped number themselves."""
     numbers = {a.name for a, v in zip(info.args, [*args, *kwargs.values()])
-               if a.kind == _ops.TENSOR and type(v) in NUMBERS}
+               if a.kind == TENSOR and type(v) in NUMBERS}
     if numbers and info.op._schema.name in _TAKE_NUMBERS:
         return info.op
-    return _ops.scalar_overload(info.op, numbers)
+    return scalar_overload(info.op, numbers)
 
 
-def _wants_cpu(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
+def _wants_cpu(info: OpInfo, values: tuple[Any, ...]) -> bool:
     for a, v in zip(info.args, values):
         if a.name == "device" and v is not None:
             return torch.device(v).type == "cpu"
@@ -531,7 +542,7 @@ def rewrap(out: Any, values: tuple[Any, ...], host_values: tuple[Any, ...], to_c
     return out
 
 
-def regroup(info: _ops.OpInfo, values: tuple[Any, ...], outs: list[Any]) -> list[Any]:
+def regroup(info: OpInfo, values: tuple[Any, ...], outs: list[Any]) -> list[Any]:
     """A mutating op's functional results, one entry per mutated argument.
 
     A single `Tensor[]` return comes back as the list itself (`_foreach_add_`); several `Tensor[]`
@@ -552,7 +563,7 @@ def regroup(info: _ops.OpInfo, values: tuple[Any, ...], outs: list[Any]) -> list
     return grouped
 
 
-def _mutated_views(info: _ops.OpInfo, host_values: tuple[Any, ...]) -> list[torch.Tensor]:
+def _mutated_views(info: OpInfo, host_values: tuple[Any, ...]) -> list[torch.Tensor]:
     """The CPU views of the tensors a mutating op writes, flattened."""
     out: list[torch.Tensor] = []
     for a, h in zip(info.args, host_values):
@@ -561,7 +572,7 @@ def _mutated_views(info: _ops.OpInfo, host_values: tuple[Any, ...]) -> list[torc
     return out
 
 
-def _copy_back_all(info: _ops.OpInfo, values: tuple[Any, ...], outs: list[Any]) -> None:
+def _copy_back_all(info: OpInfo, values: tuple[Any, ...], outs: list[Any]) -> None:
     """The hit path's copy-back for ops that mutate lists of tensors."""
     names = [a.name for a in info.args]
     for name, out in zip(info.mutable, regroup(info, values, outs)):
@@ -574,7 +585,7 @@ def _copy_back_all(info: _ops.OpInfo, values: tuple[Any, ...], outs: list[Any]) 
             _copy_back_out(target, out)
 
 
-def copy_back(target: torch.Tensor, host: torch.Tensor, result: torch.Tensor, info: _ops.OpInfo) -> None:
+def copy_back(target: torch.Tensor, host: torch.Tensor, result: torch.Tensor, info: OpInfo) -> None:
     """Write a functional result into the tensor an in-place or out= op mutates."""
     if target.shape != result.shape:
         if info.mutable and info.args[[a.name for a in info.args].index(info.mutable[0])].kwarg_only:
@@ -589,23 +600,23 @@ def copy_back(target: torch.Tensor, host: torch.Tensor, result: torch.Tensor, in
     host.copy_(result)
 
 
-def flatten(info: _ops.OpInfo, host_values: tuple[Any, ...]) -> tuple[list[torch.Tensor], list[Any]]:
+def flatten(info: OpInfo, host_values: tuple[Any, ...]) -> tuple[list[torch.Tensor], list[Any]]:
     """The executable's (tensors, scalars) for one call, in the order of `compiler._base`'s contract."""
     tensors: list[torch.Tensor] = []
     scalars: list[Any] = []
     for a, v in zip(info.args, host_values):
         k = a.kind
-        if k == _ops.TENSOR:
+        if k == TENSOR:
             tensors.append(v)
-        elif k == _ops.OPT_TENSOR:
+        elif k == OPT_TENSOR:
             if v is not None:
                 tensors.append(v)
-        elif k in (_ops.TENSORS, _ops.OPT_TENSORS):
+        elif k in (TENSORS, OPT_TENSORS):
             tensors.extend(t for t in v if t is not None)
-        elif k == _ops.SCALAR:
+        elif k == SCALAR:
             if v is not None:
                 scalars.append(v)
-        elif k == _ops.SCALARS:
+        elif k == SCALARS:
             if v is not None:
                 scalars.extend(v)
     return tensors, scalars
@@ -613,7 +624,7 @@ def flatten(info: _ops.OpInfo, host_values: tuple[Any, ...]) -> tuple[list[torch
 
 _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
-_megacache.set_provider(lambda: runtime().resolver)  # Mega-Cache bundles load into this runtime's tiers
+set_provider(lambda: runtime().resolver)  # Mega-Cache bundles load into this runtime's tiers
 
 
 def runtime() -> Runtime:
@@ -622,6 +633,11 @@ def runtime() -> Runtime:
         with _runtime_lock:  # a named job's prefetch may make it on another thread at import
             if _runtime is None:
                 _runtime = Runtime(_config.get())
+    return _runtime
+
+
+def made_runtime() -> Runtime | None:
+    """The runtime if an op (or a prefetch) made it already, else None (nothing ran on the device)."""
     return _runtime
 
 
@@ -639,14 +655,14 @@ def reset_runtime(cfg: _config.Config | None = None) -> Runtime:
 
 def _forget_native() -> None:
     """The native hit path keeps its own table of the executables in `_EXES`: empty it with them."""
-    if _hostmem.NATIVE is not None:
-        _hostmem.NATIVE.clear()
+    if NATIVE is not None:
+        NATIVE.clear()
 
 
 # --------------------------------------------------------------------------------------------------
 # Kernel generation.
 # --------------------------------------------------------------------------------------------------
-_EXES: dict[str, tuple[_ops.OpInfo, dict[Any, Executable]]] = {}
+_EXES: dict[str, tuple[OpInfo, dict[Any, Executable]]] = {}
 
 
 NUMBERS = frozenset({bool, int, float, complex})
@@ -656,7 +672,7 @@ def _tensor_key(x: str) -> str:
     return f"({x}.dtype, {x}.shape, {x}.stride())"
 
 
-def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
+def _codegen(info: OpInfo) -> Callable[..., Any]:
     """Generate the kernel of a compute or mutating op from its schema.
 
     Every name the generated code introduces starts with `_z` (no schema argument does), so an op's
@@ -685,7 +701,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     mutated: dict[str, str] = {}  # arg name -> expression of its CPU view(s)
     for j, a in enumerate(arg for arg in info.args if arg.name in fnames and not (arg.mutable and arg.kwarg_only)):
         n, k = a.name, a.kind
-        if k == _ops.TENSOR:
+        if k == TENSOR:
             # A Python number here is a "wrapped number" (`x * 2`): keyed by type, passed as is.
             key_lines.append(f"_zk{j} = {n}.__class__ if {n}.__class__ in _zNUM else {_tensor_key(n)}")
             alias_lines += [
@@ -698,24 +714,24 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
             key_items.append(f"_zk{j}")
             tens.append(f"_zc{j}")
             mutated[n] = f"_zc{j}"
-        elif k == _ops.OPT_TENSOR:
+        elif k == OPT_TENSOR:
             key_items.append(f"(None if {n} is None else {_tensor_key(n)})")
             tens.append(f"*(() if {n} is None else (_zAL({n}),))")
-        elif k == _ops.TENSORS:
+        elif k == TENSORS:
             key_items.append(f"tuple([{_tensor_key('_zt')} for _zt in {n}])")
             alias_lines.append(f"_zl{j} = [_zAL(_zt) for _zt in {n}]")
             tens.append(f"*_zl{j}")
             mutated[n] = f"_zl{j}"
-        elif k == _ops.OPT_TENSORS:
+        elif k == OPT_TENSORS:
             key_items.append(f"tuple([None if _zt is None else {_tensor_key('_zt')} for _zt in {n}])")
             tens.append(f"*[_zAL(_zt) for _zt in {n} if _zt is not None]")
-        elif k == _ops.SCALAR:
+        elif k == SCALAR:
             key_items.append(f"{n}.__class__")
             scal.append(f"*(() if {n} is None else ({n},))" if a.optional else n)
-        elif k == _ops.SCALARS:
+        elif k == SCALARS:
             key_items.append(f"(None if {n} is None else tuple([_zs.__class__ for _zs in {n}]))")
             scal.append(f"*(() if {n} is None else {n})")
-        elif k == _ops.VALUE:
+        elif k == VALUE:
             key_items.append(f"(tuple({n}) if {n}.__class__ is list else {n})")
         else:  # pragma: no cover - classify() never sends these here
             raise AssertionError(f"{info.qualname}: {n} of kind {k}")
@@ -762,7 +778,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         # One list mutated, one list returned (`_foreach_add_`): copy into the CPU views taken above.
         # An in-place executable (`compiler._base`) returns [] and has written them already.
         lines.append(f"    if _zouts: _zFC({mutated[info.mutable[0]]}, _zouts)")
-    elif info.kind == "mutating" and any(a.kind in (_ops.TENSORS, _ops.OPT_TENSORS) for a in info.args
+    elif info.kind == "mutating" and any(a.kind in (TENSORS, OPT_TENSORS) for a in info.args
                                          if a.name in info.mutable):
         # Lists of tensors mutated (fused optimizers); an in-place executable returns [] instead.
         lines.append(f"    if _zouts: _zCBA(_zINFO, {values}, _zouts)")
@@ -781,7 +797,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
         lines.append("    return _zW(_zouts[0])")
     else:  # an output may be undefined (None), e.g. a backward op with a False output_mask entry
         lines.append("    return tuple([None if _zo is None else _zW(_zo) for _zo in _zouts])")
-    lists = [a.name for a in info.args if a.mutable and a.kind == _ops.TENSORS]
+    lists = [a.name for a in info.args if a.mutable and a.kind == TENSORS]
     if lists:
         # The tensors of a written list changed in place: bump their version counters, as CUDA's foreach
         # kernels do (no ADInplaceOrView kernel does it for list ops), before every return.
@@ -812,7 +828,7 @@ def _codegen(info: _ops.OpInfo) -> Callable[..., Any]:
     return kernel
 
 
-def _overlap_test(info: _ops.OpInfo) -> str:
+def _overlap_test(info: OpInfo) -> str:
     """The generated kernel's test whether the argument an op writes may overlap one it reads
     (`_writes.spans_meet`), or "" for an op that writes nothing or reads no tensor. Ops that write
     several arguments (fused optimizers) are left to their kernels, as on CPU."""
@@ -823,13 +839,13 @@ def _overlap_test(info: _ops.OpInfo) -> str:
     one = "_zOVO" if w.kwarg_only else "_zOV"  # an out= tensor: the very same tensor as an input counts too
     tests = []
     for a in info.args:
-        if a.mutable or a.kind not in (_ops.TENSOR, _ops.OPT_TENSOR, _ops.TENSORS):
+        if a.mutable or a.kind not in (TENSOR, OPT_TENSOR, TENSORS):
             continue
-        if w.kind == _ops.TENSORS and a.kind == _ops.TENSORS:
+        if w.kind == TENSORS and a.kind == TENSORS:
             tests.append(f"_zOVL({w.name}, {a.name})")
-        elif w.kind == _ops.TENSORS:
+        elif w.kind == TENSORS:
             tests.append(f"any({one}(_zt, {a.name}) for _zt in {w.name})")
-        elif a.kind == _ops.TENSORS:
+        elif a.kind == TENSORS:
             tests.append(f"any({one}({w.name}, _zt) for _zt in {a.name})")
         else:
             tests.append(f"{one}({w.name}, {a.name})")

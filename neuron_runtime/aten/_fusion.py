@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
-from .._native import _hostmem, _trace
-from ..signatures import _ops
+from .._native import FUSED, NATIVE, trace_run
+from ..signatures import OPT_TENSOR, OpInfo, SCALAR, SCALARS, TENSOR, TENSORS, VALUE
 
 
-_ARG_KINDS = (_ops.TENSOR, _ops.OPT_TENSOR, _ops.SCALAR, _ops.SCALARS, _ops.VALUE)
+_ARG_KINDS = (TENSOR, OPT_TENSOR, SCALAR, SCALARS, VALUE)
 
 
-def fusible(info: _ops.OpInfo) -> bool:
+def fusible(info: OpInfo) -> bool:
     """Pointwise ops (PyTorch's tag) returning tensors, and `_foreach_` ops over a pointwise op (one list
     output); functional, or in place on their first argument (`x.mul_(2)`, `_foreach_lerp_(exp_avgs,
     ...)`). Matmuls, reductions and the rest flush: queued with them (measured on the benchmark steps),
@@ -55,7 +55,7 @@ def fusible(info: _ops.OpInfo) -> bool:
             return False
     elif torch.Tag.pointwise not in info.op.tags or torch.Tag.nondeterministic_seeded in info.op.tags:
         return False
-    kinds = _ARG_KINDS + ((_ops.TENSORS,) if foreach else ())
+    kinds = _ARG_KINDS + ((TENSORS,) if foreach else ())
     if not all(a.kind in kinds for a in info.args):
         return False
     if info.kind == "compute":
@@ -65,7 +65,7 @@ def fusible(info: _ops.OpInfo) -> bool:
             len(info.functional.args) != len(info.args):
         return False
     m = info.args[0]
-    if m.name != info.mutable[0] or m.kwarg_only or m.kind != (_ops.TENSORS if foreach else _ops.TENSOR):
+    if m.name != info.mutable[0] or m.kwarg_only or m.kind != (TENSORS if foreach else TENSOR):
         return False
     f = info.functional
     return f.returns_list if foreach else (info.returns_args == [m.name] and f.n_returns == 1)
@@ -77,7 +77,7 @@ class _Node:
 
     __slots__ = ("info", "key", "exe", "ins", "scalars", "dsts", "inplace")
 
-    def __init__(self, info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any],
+    def __init__(self, info: OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any],
                  dsts: list[torch.Tensor], inplace: bool) -> None:
         self.info, self.key, self.exe, self.ins, self.scalars = info, key, exe, ins, scalars
         self.dsts, self.inplace = dsts, inplace
@@ -125,7 +125,7 @@ class Fusion:
         _native_pending(False)
 
     # -- what the slow path teaches us -----------------------------------------------------------
-    def learn(self, info: _ops.OpInfo, key: Any, sig: dict[str, Any], outs: list[Any]) -> None:
+    def learn(self, info: OpInfo, key: Any, sig: dict[str, Any], outs: list[Any]) -> None:
         """After an op's first real execution: its outputs' metadata and its signature, so it can be queued.
 
         A single-tensor op whose output has fewer than TORCH_NEURONX_FUSION_MIN_NUMEL elements is never
@@ -148,7 +148,7 @@ class Fusion:
             self.stats["ops_not_queued"] += 1
 
     # -- queueing --------------------------------------------------------------------------------
-    def submit(self, info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any],
+    def submit(self, info: OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any],
                targets: list[torch.Tensor] | None) -> Any:
         """Queue one op; None to run it now instead. Otherwise its (not yet computed) neuron output(s),
         or, for an in-place op (`targets`: the CPU views of the tensors it updates), True."""
@@ -193,7 +193,7 @@ class Fusion:
             return result
 
     # -- running ---------------------------------------------------------------------------------
-    def flush_for(self, info: _ops.OpInfo) -> None:
+    def flush_for(self, info: OpInfo) -> None:
         if PENDING:
             self.flush(f"op:{info.qualname}")
 
@@ -208,7 +208,7 @@ class Fusion:
             del PENDING[:]
             _native_pending(False)
             if native:  # the queue is in the native layer, which hands back what it does not run itself
-                _hostmem.NATIVE.run_queue()
+                NATIVE.run_queue()
                 return
             fresh = self.fresh
             self.written, self.pending_ptrs, self.fresh, self.mode = set(), set(), set(), None
@@ -257,15 +257,15 @@ class Fusion:
             self._run_each(nodes)
             return None
 
-    def queues(self, info: _ops.OpInfo, key: Any) -> bool:
+    def queues(self, info: OpInfo, key: Any) -> bool:
         """Whether calls of this op and key are queued (the native hit path asks once per key)."""
         return (info.qualname, key) not in self.solo
 
     def counters(self) -> dict[str, Any]:
         """`stats()["fusion"]`: ours plus the native queue's."""
         out = {k: dict(v) if isinstance(v, dict) else v for k, v in self.stats.items()}
-        if _hostmem.NATIVE is not None:
-            for k, v in _hostmem.NATIVE.fusion_counters().items():
+        if NATIVE is not None:
+            for k, v in NATIVE.fusion_counters().items():
                 out[k] += v
         return out
 
@@ -280,12 +280,12 @@ class Fusion:
                 if n >= self.min_seen:
                     self.solo.add(k)
                     self.stats["ops_not_queued"] += 1
-                    if _hostmem.NATIVE is not None:
-                        _hostmem.NATIVE.clear()  # native kernels ask again: this key runs natively now
+                    if NATIVE is not None:
+                        NATIVE.clear()  # native kernels ask again: this key runs natively now
 
     def _run_each(self, nodes: list[_Node]) -> None:
         for node in nodes:
-            for d, o in zip(node.dsts, _trace.run(node.exe, node.ins, node.scalars)):
+            for d, o in zip(node.dsts, trace_run(node.exe, node.ins, node.scalars)):
                 d.copy_(o)
 
     def _run_fused(self, group: Any, nodes: list[_Node], ext: list[Any], live: tuple[tuple[int, int], ...],
@@ -309,7 +309,7 @@ class Fusion:
             self.stats["groups_fused"] += 1
         scalars = [s for node in nodes for s in node.scalars]
         try:
-            outs = _trace.run(exe, ext, scalars, _trace.FUSED)  # ext: tensors, and numbers in tensor slots
+            outs = trace_run(exe, ext, scalars, FUSED)  # ext: tensors, and numbers in tensor slots
         except Exception:  # noqa: BLE001
             self.fused[group] = UNFUSIBLE
             return None
@@ -353,7 +353,7 @@ def flush(reason: str) -> None:
         _fusion.flush(reason)
 
 
-def submit(info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any],
+def submit(info: OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[Any],
            targets: list[torch.Tensor] | None = None) -> Any:
     """The generated kernels' entry: queue the op (see `Fusion.submit`)."""
     if _fusion is None:
@@ -361,12 +361,12 @@ def submit(info: _ops.OpInfo, key: Any, exe: Any, ins: list[Any], scalars: list[
     return _fusion.submit(info, key, exe, ins, scalars, targets)
 
 
-def queues(info: _ops.OpInfo, key: Any) -> bool:
+def queues(info: OpInfo, key: Any) -> bool:
     """The generated lookups' entry (see `Fusion.queues`)."""
     return _fusion is not None and _fusion.queues(info, key)
 
 
-def outmeta(info: _ops.OpInfo, key: Any) -> Any:
+def outmeta(info: OpInfo, key: Any) -> Any:
     """The generated lookups' entry: a queued call's outputs (None for an in-place op)."""
     return None if _fusion is None else _fusion.outmeta.get((info.qualname, key))
 
@@ -391,14 +391,14 @@ def install(runtime: Any) -> Fusion | None:
     if _fusion is not None:
         _fusion.flush("reset")
     _fusion = Fusion(runtime) if runtime.cfg.concatenation else None
-    if _hostmem.NATIVE is not None:  # native kernels queue, and run the queue before any op they serve
+    if NATIVE is not None:  # native kernels queue, and run the queue before any op they serve
         if _fusion is not None:
-            _hostmem.NATIVE.set_fusion(flush, _native_started, _flush_from_native, _fusion.limit)
+            NATIVE.set_fusion(flush, _native_started, _flush_from_native, _fusion.limit)
         else:
-            _hostmem.NATIVE.set_fusion(None, None, None, 1)
+            NATIVE.set_fusion(None, None, None, 1)
     return _fusion
 
 
 def _native_pending(pending: bool) -> None:
-    if _hostmem.NATIVE is not None:
-        _hostmem.NATIVE.set_pending(pending)
+    if NATIVE is not None:
+        NATIVE.set_pending(pending)

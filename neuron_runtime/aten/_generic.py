@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..signatures import _ops
+from ..signatures import OpInfo, classify
 from . import _dispatch
 from ._dispatch import DEVICE
 
@@ -29,7 +29,7 @@ def check_device(device: Any) -> None:
                            f"(torch.{DEVICE}.device_count() == 1)")
 
 
-def _view_kernel(info: _ops.OpInfo) -> Callable[..., Any]:
+def _view_kernel(info: OpInfo) -> Callable[..., Any]:
     # The CPU kernel of a view op only computes metadata, so it runs on the neuron tensor itself and the
     # result shares its storage.
     handle = info.op._handle
@@ -41,7 +41,7 @@ def _view_kernel(info: _ops.OpInfo) -> Callable[..., Any]:
     return kernel
 
 
-def _host_kernel(info: _ops.OpInfo) -> Callable[..., Any]:
+def _host_kernel(info: OpInfo) -> Callable[..., Any]:
     names = [a.name for a in info.args]
     defaults = [a.default if a.has_default else None for a in info.args]
 
@@ -58,7 +58,7 @@ def _host_kernel(info: _ops.OpInfo) -> Callable[..., Any]:
     return kernel
 
 
-def kernel(info: _ops.OpInfo) -> Callable[..., Any]:
+def kernel(info: OpInfo) -> Callable[..., Any]:
     """A new kernel for `info` by its kind (callers keep it: a compute kernel owns its executables' table)."""
     if info.kind == "view":
         return _view_kernel(info)
@@ -71,5 +71,5 @@ def kernel_for(qualname: str) -> Callable[..., Any]:
     """The one kernel of `qualname`'s kind, made on first use."""
     k = _generic.get(qualname)
     if k is None:
-        k = _generic[qualname] = kernel(_ops.classify(qualname))
+        k = _generic[qualname] = kernel(classify(qualname))
     return k

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from .. import _profiling
-from .._native import _hostmem
-from ..signatures import _ops
+from .._native import NATIVE
+from ..signatures import OPT_TENSOR, OpInfo, SCALAR, SCALARS, TENSOR, TENSORS, VALUE, classify, cpu_ops, resolve_op
 from . import _decomp, _dispatch, _fusion, _generic, _quantized, _special
 
 #: Ops with a kernel of their own: allocation, copies, resizes (`_special`), and ops computed from other
@@ -32,7 +32,7 @@ CPU_INDEX_ARGS: dict[str, tuple[str, str]] = {
 def _moving_cpu_index(kernel: Callable[..., Any], qualname: str) -> Callable[..., Any]:
     """`kernel` with the CPU index argument of `CPU_INDEX_ARGS[qualname]` moved to neuron."""
     name = CPU_INDEX_ARGS[qualname][0]
-    pos = [a.name for a in _ops.classify(qualname).args].index(name)
+    pos = [a.name for a in classify(qualname).args].index(name)
 
     def moving_kernel(*args: Any, **kwargs: Any) -> Any:
         if len(args) > pos:
@@ -76,7 +76,7 @@ def register_all() -> int:
     if _library is not None:
         return len(_kernels)
     lib = torch.library.Library("aten", "IMPL")
-    names = set(_ops.cpu_ops()) | set(SPECIAL)
+    names = set(cpu_ops()) | set(SPECIAL)
     for qualname in sorted(names):
         lib.impl(qualname.removeprefix("aten::"), _lazy(qualname), "PrivateUse1")
     # copy_ between neuron tensors goes through `_copy_from`, which PyTorch's conjugate/negative-bit
@@ -123,8 +123,8 @@ _NATIVE_SPECIAL = {"aten::empty.memory_format": 0, "aten::empty_strided": 1, "at
                    "aten::_local_scalar_dense": 3, "aten::_to_copy": 4}
 
 # Argument kinds the native hit path serves (`fastpath.cpp`'s Kind), and nothing else.
-_NATIVE_KINDS = {_ops.TENSOR: 0, _ops.OPT_TENSOR: 1, _ops.SCALAR: 2, _ops.VALUE: 3, _ops.TENSORS: 4,
-                 _ops.SCALARS: 5}
+_NATIVE_KINDS = {TENSOR: 0, OPT_TENSOR: 1, SCALAR: 2, VALUE: 3, TENSORS: 4,
+                 SCALARS: 5}
 _NATIVE_OUT = 6  # an out= op's `out` (not keyed, not an input; the result is copied into it)
 
 
@@ -132,17 +132,17 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
     """Register the native kernel of `qualname` in place of `kernel` if it can serve the op's hit path
     (`_native`); it calls `kernel` for everything else. With fusion on, the calls fusion queues go to
     `kernel` too (its lookup says which), and native kernels run the queue before anything else."""
-    native = _hostmem.NATIVE
+    native = NATIVE
     if native is None:
         return False
     if qualname in _NATIVE_SPECIAL:
-        args = _ops._resolve(qualname)._schema.arguments
+        args = resolve_op(qualname)._schema.arguments
         native.register_special(qualname, _NATIVE_SPECIAL[qualname], [a.kwarg_only for a in args],
                                 [a.name for a in args], kernel)
         return True
     if qualname in SPECIAL:
         return False
-    info = _ops.classify(qualname)
+    info = classify(qualname)
     if info.kind == "view":
         native.register_view(qualname)
         return True
@@ -154,11 +154,11 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
     native.register_compute(qualname, kinds,
                             [a.kwarg_only for a in info.args], [a.name for a in info.args], mutated,
                             info.n_returns, info.returns_list, kernel, lookup,
-                            [i for i, a in enumerate(info.args) if a.mutable and a.kind == _ops.TENSORS])
+                            [i for i, a in enumerate(info.args) if a.mutable and a.kind == TENSORS])
     return True
 
 
-def _native_eligible(info: _ops.OpInfo) -> bool:
+def _native_eligible(info: OpInfo) -> bool:
     """Ops whose arguments are tensors, tensor lists, Scalars and structural values, returning tensors
     (or one list): a functional op, or an in-place one writing one tensor (returned) or one list."""
     if any(a.kind not in _NATIVE_KINDS for a in info.args):
@@ -180,8 +180,8 @@ def _native_eligible(info: _ops.OpInfo) -> bool:
     if m.kwarg_only:
         # out= (`mul.out`: DDP's reducer divides each gradient into its bucket with it): the functional
         # variant's executable on the other arguments, its result copied into `out` when dtype and sizes fit.
-        return m.kind == _ops.TENSOR and returns == ["Tensor"] and info.returns_args == [m.name] and \
+        return m.kind == TENSOR and returns == ["Tensor"] and info.returns_args == [m.name] and \
             [a.name for a in info.functional.args] == [a.name for a in info.args if a is not m]
-    if m.kind == _ops.TENSOR:
+    if m.kind == TENSOR:
         return returns == ["Tensor"] and info.returns_args == [m.name]
-    return m.kind == _ops.TENSORS and not returns and info.functional.returns_list
+    return m.kind == TENSORS and not returns and info.functional.returns_list

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..signatures import _ops
+from ..signatures import OPT_TENSOR, OPT_TENSORS, OpInfo, TENSOR, TENSORS
 from . import _widen
 
 DEVICE = "neuron"
@@ -43,7 +43,7 @@ def out_device_error(t: torch.Tensor) -> RuntimeError:
         f"{t.device}! Expected out tensor to have device {DEVICE}:0, but got {t.device} instead")
 
 
-def check_mutated(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
+def check_mutated(info: OpInfo, values: tuple[Any, ...]) -> bool:
     """Before an op writes: every tensor it mutates is a neuron tensor (out= tensors get CUDA's out= message),
     and out= tensors follow PyTorch's dtype rules (`check_out_dtype`). True: an out= tensor has another
     dtype than the result and the op accepts it (then its CPU out= kernel runs, which casts as PyTorch
@@ -63,7 +63,7 @@ def _metas(v: Any) -> Any:
     return [_widen._meta(x) for x in v] if isinstance(v, (list, tuple)) else _widen._meta(v)
 
 
-def _result_metas(info: _ops.OpInfo, values: tuple[Any, ...]) -> list[torch.Tensor] | None:
+def _result_metas(info: OpInfo, values: tuple[Any, ...]) -> list[torch.Tensor] | None:
     """The results of the op's functional variant on meta tensors of these arguments (the out= tensors
     left out), in order; None when it has no meta kernel or refuses them."""
     f = info.functional or info
@@ -75,7 +75,7 @@ def _result_metas(info: _ops.OpInfo, values: tuple[Any, ...]) -> list[torch.Tens
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-def check_out_dtype(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
+def check_out_dtype(info: OpInfo, values: tuple[Any, ...]) -> bool:
     """out= of another dtype than the result's: refused as PyTorch refuses it (the op's meta kernel decides:
     elementwise ops cast when `can_cast` allows, structured ops like mm want the exact dtype, reductions
     compute in it), with CPU's and CUDA's message. True when accepted with another dtype."""
@@ -108,7 +108,7 @@ def check_out_dtype(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
     return True
 
 
-def _cpu_out_error(info: _ops.OpInfo, values: tuple[Any, ...]) -> str | None:
+def _cpu_out_error(info: OpInfo, values: tuple[Any, ...]) -> str | None:
     """The message of the op's CPU out= kernel for these arguments' metadata (zeros of the same sizes,
     strides and dtypes: only ever on the way to an error), or None if CPU accepts them."""
     def zeros(v: Any) -> Any:
@@ -181,13 +181,13 @@ def _partial(a: torch.Tensor, b: Any) -> bool:
     return True
 
 
-def _written(info: _ops.OpInfo, values: tuple[Any, ...], out: bool) -> list[torch.Tensor]:
+def _written(info: OpInfo, values: tuple[Any, ...], out: bool) -> list[torch.Tensor]:
     """The tensors the op writes: its out= ones if `out`, else the in-place ones."""
     ws = [v for a, v in zip(info.args, values) if a.mutable and a.kwarg_only == out]
     return [t for w in ws for t in (w if isinstance(w, (list, tuple)) else (w,)) if isinstance(t, torch.Tensor)]
 
 
-def _pairs(info: _ops.OpInfo, values: tuple[Any, ...], out: bool) -> list[tuple[torch.Tensor, Any]]:
+def _pairs(info: OpInfo, values: tuple[Any, ...], out: bool) -> list[tuple[torch.Tensor, Any]]:
     """(written tensor, read tensor) pairs CPU checks for overlap: each written tensor (the out= ones if
     `out`, else the in-place ones) with each tensor the op reads; two lists element by element."""
     pairs: list[tuple[torch.Tensor, Any]] = []
@@ -197,7 +197,7 @@ def _pairs(info: _ops.OpInfo, values: tuple[Any, ...], out: bool) -> list[tuple[
         if not a.mutable:
             continue
         for b, r in zip(info.args, values):
-            if b.mutable or b.kind not in (_ops.TENSOR, _ops.OPT_TENSOR, _ops.TENSORS, _ops.OPT_TENSORS):
+            if b.mutable or b.kind not in (TENSOR, OPT_TENSOR, TENSORS, OPT_TENSORS):
                 continue
             ws = list(w) if isinstance(w, (list, tuple)) else [w]
             rs = list(r) if isinstance(r, (list, tuple)) else [r]
@@ -208,7 +208,7 @@ def _pairs(info: _ops.OpInfo, values: tuple[Any, ...], out: bool) -> list[tuple[
     return [(x, y) for x, y in pairs if isinstance(x, torch.Tensor)]
 
 
-def overlapping(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
+def overlapping(info: OpInfo, values: tuple[Any, ...]) -> bool:
     """Whether CPU's kernel should judge this call's aliasing: a tensor it writes in place partially
     overlaps one it reads (TensorIterator's rule: `_partial`), or an out= tensor shares any memory with an
     input, as it is or once resized to the result's shape (the op's own rule then decides: elementwise ops
@@ -234,7 +234,7 @@ def overlapping(info: _ops.OpInfo, values: tuple[Any, ...]) -> bool:
     return False
 
 
-def _resized_nbytes(info: _ops.OpInfo, values: tuple[Any, ...]) -> dict[int, int]:
+def _resized_nbytes(info: OpInfo, values: tuple[Any, ...]) -> dict[int, int]:
     """id(out= tensor) -> the bytes it covers once CPU resized it to the result's shape (contiguous, from
     its own offset), for the out= tensors whose shape is not the result's (from the op's meta kernel)."""
     outs = [v for a, v in zip(info.args, values) if a.kwarg_only and a.mutable]

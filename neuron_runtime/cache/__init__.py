@@ -8,7 +8,7 @@
     HttpStore              http(s)://: bazel-remote's /cas + /ac API, WebDAV    (_http.py)
     open_store(url, cfg)   picks a fleet backend by URL scheme                  (_registry.py)
 
-The entry format lives in `neuron_runtime.envelope`; the backend contract in `_base.py`.
+The entry format lives in `neuron_runtime.cache.envelope`; the backend contract in `_base.py`.
 """
 
 from neuron_runtime.cache._base import CacheBackend, CacheError, EntryInfo, InvalidKeyError, Lease, check_key

@@ -1,7 +1,7 @@
 """The one contract every cache tier implements.
 
 Keys are 64 lowercase hex characters (sha256 of the canonical signature JSON; see `_signature.py`).
-Values are *bytes only*: whole envelopes (see `neuron_runtime.envelope`), never Python objects.
+Values are *bytes only*: whole envelopes (see `neuron_runtime.cache.envelope`), never Python objects.
 
 Failure rules (every backend, every method):
   * A backend problem (I/O error, timeout, throttling, permission, server down) is never raised to the

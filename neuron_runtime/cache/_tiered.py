@@ -36,7 +36,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from neuron_runtime import _profiling, envelope
+from neuron_runtime import _profiling
+
+from neuron_runtime.cache import envelope
 from neuron_runtime.cache._base import CacheBackend, Lease, check_key
 from neuron_runtime.cache._errors import CacheMissError, IntegrityError
 from neuron_runtime.cache._faults import WarnOnce

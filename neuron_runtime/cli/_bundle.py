@@ -33,8 +33,8 @@ from neuron_runtime.cache import CacheError, IntegrityError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, BundleError, UsageError
 from neuron_runtime.cli._inspect import check_entry
-from neuron_runtime.executables import _record
-from neuron_runtime.signatures import _signature
+from neuron_runtime.executables import read_manifest
+from neuron_runtime.signatures import cache_key
 
 FORMAT = "neuron-cache-bundle"
 VERSION = 1
@@ -83,7 +83,7 @@ def _wanted_keys(args: argparse.Namespace, cfg: Any) -> set[str] | None:
 
     fp = make_compiler(cfg).fingerprint()
     try:
-        return {_signature.cache_key(s, fp) for s in _record.read_manifest(args.manifest)}
+        return {cache_key(s, fp) for s in read_manifest(args.manifest)}
     except (OSError, ValueError) as e:
         raise UsageError(f"--manifest {args.manifest}: {e}") from e
 

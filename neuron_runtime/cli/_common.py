@@ -266,7 +266,7 @@ def read_entry(backend: CacheBackend, key: str) -> bytes | None:
 def iter_headers(tier: Tier) -> Iterator[tuple[str, int, float, dict[str, Any] | None, bytes | None]]:
     """(key, size, mtime, header or None, bytes or None) for every entry of a tier. Headers are read
     *unverified* (listings and `explain` only); None when the entry vanished or its header is unreadable."""
-    from neuron_runtime import envelope
+    from neuron_runtime.cache import envelope
     from neuron_runtime.cache import CacheError
 
     for info in list(tier.backend.entries()):

@@ -37,8 +37,20 @@ from typing import Any
 
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, UsageError
-from neuron_runtime.executables import _record
-from neuron_runtime.signatures import _ops, _shapes, _signature
+from neuron_runtime.executables import check_signature, parse_line
+from neuron_runtime.signatures import (
+    OPT_TENSOR,
+    OPT_TENSORS,
+    SCALAR,
+    SCALARS,
+    TENSOR,
+    TENSORS,
+    VALUE,
+    cache_key,
+    describe_shapes,
+    is_wrapped,
+    shape_classes,
+)
 
 # Fingerprint field -> the name users know it by.
 FINGERPRINT_PARTS = {
@@ -85,9 +97,9 @@ def _signatures_from_text(text: str, origin: str) -> list[dict[str, Any]]:
             obj, _ = json.JSONDecoder().raw_decode(text)
         except ValueError as e:
             raise UsageError(f"{origin}: no JSON signature after 'Signature:' ({e})") from e
-        return [_record.check_signature(obj)]
+        return [check_signature(obj)]
     try:
-        return [_record.parse_line(text)]
+        return [parse_line(text)]
     except ValueError as whole:
         sigs: list[dict[str, Any]] = []
         lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -95,7 +107,7 @@ def _signatures_from_text(text: str, origin: str) -> list[dict[str, Any]]:
             raise UsageError(f"{origin}: not a signature or manifest line ({whole})") from None
         for n, line in enumerate(lines, 1):
             try:
-                sigs.append(_record.parse_line(line))
+                sigs.append(parse_line(line))
             except ValueError as e:
                 print(f"neuron-cache explain: {origin}:{n}: skipped ({e})", file=sys.stderr)
         if not sigs:
@@ -134,7 +146,7 @@ def _tensor_diffs(path: str, a: Any, b: Any) -> list[dict[str, Any]]:
         return [_diff("argument kind", path, a, b)]
     if not isinstance(a, dict) or not isinstance(b, dict):
         return [_diff("argument kind", path, a, b)]
-    wa, wb = _signature.is_wrapped(a), _signature.is_wrapped(b)
+    wa, wb = is_wrapped(a), is_wrapped(b)
     if wa and wb:
         return [_diff("scalar type", path, a["wrapped"], b["wrapped"])]
     if wa != wb:
@@ -161,16 +173,16 @@ def _arg_diffs(name: str, kind: str, a: Any, b: Any) -> list[dict[str, Any]]:
     path = f"args.{name}"
     if _same(a, b):
         return []
-    if kind in (_ops.TENSOR, _ops.OPT_TENSOR):
+    if kind in (TENSOR, OPT_TENSOR):
         return _tensor_diffs(path, a, b)
-    if kind in (_ops.TENSORS, _ops.OPT_TENSORS):
+    if kind in (TENSORS, OPT_TENSORS):
         if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b):
             return [_diff("tensor count", path, len(a) if isinstance(a, list) else a,
                           len(b) if isinstance(b, list) else b)]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _tensor_diffs(f"{path}[{i}]", x, y)]
-    if kind in (_ops.SCALAR, _ops.SCALARS):
+    if kind in (SCALAR, SCALARS):
         return [_diff("scalar type", path, a, b)]
-    if kind == _ops.VALUE:
+    if kind == VALUE:
         # 1 == 1.0 == True in Python but not in the key: name the type, or the diff would look empty.
         if _value_type(a) != _value_type(b) and a == b:
             return [_diff("structural value type", path, a, b)]
@@ -275,16 +287,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
     else:
         fp = _fingerprint(args, cfg)
         for sig in sigs:
-            k = _signature.cache_key(sig, fp)
+            k = cache_key(sig, fp)
             hit = [t for t, ek, _ in entries if ek == k]
             res: dict[str, Any] = {"key": k, "op": sig.get("op"), "hit": bool(hit), "tier": hit[0] if hit else None}
-            for cls in [] if hit or cfg.shapes == "static" else _shapes.classes(sig):
+            for cls in [] if hit or cfg.shapes == "static" else shape_classes(sig):
                 # A new shape of a class with an executable: the runtime links it, nothing compiles.
                 # (The classes in the runtime's order: an elementwise op's flat class, its ranked class.)
-                ck = _signature.cache_key(cls, fp)
+                ck = cache_key(cls, fp)
                 served = [t for t, ek, h in entries if ek == ck and not h.get("refused")]
                 if served:
-                    res.update(hit=True, tier=served[0], class_key=ck, shapes=_shapes.describe(cls))
+                    res.update(hit=True, tier=served[0], class_key=ck, shapes=describe_shapes(cls))
                     break
             if not res["hit"]:
                 ranked = sorted(((compare(sig, fp, h), t, ek, h) for t, ek, h in entries),

@@ -16,11 +16,13 @@ import sys
 import time
 from typing import Any
 
-from neuron_runtime import _config, envelope
+from neuron_runtime import _config
+
+from neuron_runtime.cache import envelope
 from neuron_runtime.cache import CacheError, IntegrityError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, UsageError
-from neuron_runtime.signatures import _shapes
+from neuron_runtime.signatures import describe_shapes, is_class
 from neuron_runtime.compiler import PhaseTimes
 
 
@@ -101,7 +103,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                              "created": h.get("created"), "producer": h.get("producer"),
                              "refused": h.get("refused"),  # a cached compiler refusal (no executable)
                              # a shape class's entry serves every shape of its class (docs/dispatch.md)
-                             "shape_class": _shapes.is_class(h.get("signature") or {}),
+                             "shape_class": is_class(h.get("signature") or {}),
                              "shapes": _describe(h.get("signature")),
                              "readable": header is not None})
     finally:
@@ -123,7 +125,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _describe(sig: Any) -> str:
     """The tensor shapes of a signature (`[s0,s1,64] [64]` for a class), or "" if it has none readable."""
     try:
-        return _shapes.describe(sig) if isinstance(sig, dict) else ""
+        return describe_shapes(sig) if isinstance(sig, dict) else ""
     except (KeyError, TypeError, ValueError):
         return ""
 
@@ -223,11 +225,11 @@ def check_entry(key: str, data: bytes, signing_key: bytes | None) -> envelope.En
     """Everything `verify` and `import` check: the envelope (magic, lengths, digest, HMAC when a key is
     set, header key) and that the header's signature and fingerprint hash to the key, so an entry cannot
     claim to be something it was not compiled for."""
-    from neuron_runtime.signatures import _signature
+    from neuron_runtime.signatures import cache_key
 
     entry = envelope.unpack(data, expected_key=key, signing_key=signing_key)
     try:
-        expected = _signature.cache_key(entry.header["signature"], entry.header["fingerprint"])
+        expected = cache_key(entry.header["signature"], entry.header["fingerprint"])
     except (TypeError, ValueError) as e:
         raise IntegrityError("header", f"signature/fingerprint cannot be keyed: {e}") from e
     if expected != key:
@@ -256,7 +258,7 @@ def _manifest_wanted(cfg: _config.Config, manifest: str) -> tuple[list[dict[str,
     executable), and the manifest's bad lines."""
     from neuron_runtime.cli._warm import key_manifest
     from neuron_runtime.compiler import make_compiler
-    from neuron_runtime.signatures import _signature
+    from neuron_runtime.signatures import cache_key
 
     if not os.path.isfile(manifest):
         raise UsageError(f"no manifest at {manifest}")
@@ -266,9 +268,9 @@ def _manifest_wanted(cfg: _config.Config, manifest: str) -> tuple[list[dict[str,
     for rec, key in keyed:
         sig = rec.signature or {}
         candidates = [key]
-        if _shapes.is_class(sig) and isinstance(sig.get("example"), dict):
+        if is_class(sig) and isinstance(sig.get("example"), dict):
             try:
-                candidates.append(_signature.cache_key(sig["example"], fp))
+                candidates.append(cache_key(sig["example"], fp))
             except (TypeError, ValueError):
                 pass
         wanted.append({"line": rec.line, "op": sig.get("op"), "keys": candidates})

@@ -23,7 +23,7 @@ def add_parsers(sub: Any) -> None:
 
 
 def services() -> list[dict[str, Any]]:
-    from neuron_runtime.executables._service._client import ask, service_dir
+    from neuron_runtime.executables import ask, service_dir
 
     d = service_dir()
     out = []

@@ -32,13 +32,15 @@ import threading
 import time
 from typing import Any
 
-from neuron_runtime import _config, envelope
+from neuron_runtime import _config
+
+from neuron_runtime.cache import envelope
 from neuron_runtime.cache import CacheError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, JobError, UsageError
 from neuron_runtime.compiler import make_compiler
-from neuron_runtime.executables import _record
-from neuron_runtime.signatures import _shapes, _signature
+from neuron_runtime.executables import ManifestLine, scan_manifest
+from neuron_runtime.signatures import cache_key, is_class, tensor_descs
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +79,13 @@ def shard_of(key: str, n: int) -> int:
     return int(key[:16], 16) % n
 
 
-def key_manifest(manifest: str, fp: dict[str, Any]) -> tuple[list[tuple[_record.ManifestLine, str]],
+def key_manifest(manifest: str, fp: dict[str, Any]) -> tuple[list[tuple[ManifestLine, str]],
                                                                list[dict[str, Any]]]:
     """The manifest's good lines with their keys for fingerprint `fp`, and the bad lines (reported on
     stderr, each with its line number and reason)."""
-    keyed: list[tuple[_record.ManifestLine, str]] = []
+    keyed: list[tuple[ManifestLine, str]] = []
     errors: list[dict[str, Any]] = []
-    for rec in _record.scan_manifest(manifest):
+    for rec in scan_manifest(manifest):
         if rec.error is not None:
             log.error("%s", rec.error)
             print(f"neuron-cache: {rec.error}", file=sys.stderr)
@@ -91,7 +93,7 @@ def key_manifest(manifest: str, fp: dict[str, Any]) -> tuple[list[tuple[_record.
             continue
         assert rec.signature is not None
         try:
-            keyed.append((rec, _signature.cache_key(rec.signature, fp)))
+            keyed.append((rec, cache_key(rec.signature, fp)))
         except (TypeError, ValueError) as e:
             errors.append({"line": rec.line, "error": f"cannot key this signature: {e}"})
     return keyed, errors
@@ -239,7 +241,7 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
     in_local = local.contains_many(keys)
     in_fleet = fleet.contains_many(keys) if fleet is not None else set()
     present = pushed = 0
-    todo: list[tuple[_record.ManifestLine, str]] = []
+    todo: list[tuple[ManifestLine, str]] = []
     for rec, key in keyed:
         if key in in_local and (fleet is None or key in in_fleet):
             present += 1
@@ -276,7 +278,7 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
 
     compiled = refused = failed = 0
     failures: list[dict[str, Any]] = []
-    done: dict[str, tuple[_record.ManifestLine, str]] = {}  # key -> (line, "compiled" | "present")
+    done: dict[str, tuple[ManifestLine, str]] = {}  # key -> (line, "compiled" | "present")
     for rec, key in keyed:
         done[key] = (rec, "present")
     for i, (rec, key) in enumerate(todo):
@@ -369,7 +371,7 @@ def tensor_count(sig: dict[str, Any]) -> int:
     (a foreach op over a model's parameters lowers a kernel per tensor, seconds where an elementwise op
     takes a fraction of one). A malformed signature counts 0: its worker reports what is wrong with it."""
     try:
-        return len(_shapes._tensors(sig))
+        return len(tensor_descs(sig))
     except (KeyError, TypeError, ValueError):
         return 0
 
@@ -393,13 +395,13 @@ class _Pool:
         self.progress = progress
 
     def run(self, tasks: list[tuple[int, dict[str, Any]]], names: list[str]) -> dict[int, dict[str, Any]]:
-        from neuron_runtime.executables._service._server import WorkerPool
+        from neuron_runtime.executables import WorkerPool
 
         work: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
         for i, sig in compile_order(tasks):
             # A shape class falls back to the exact shape it was recorded with when the tier has no
             # generic executable for it (the worker tries the candidates in order).
-            work.put((i, {"signatures": [sig, sig["example"]]} if _shapes.is_class(sig) else {"signature": sig}))
+            work.put((i, {"signatures": [sig, sig["example"]]} if is_class(sig) else {"signature": sig}))
         results: dict[int, dict[str, Any]] = {}
         all_done = threading.Event()
         lock = threading.Lock()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from .. import _config
 from ._base import PHASES, CompileRefused, Compiled, Compiler, Executable, PhaseTimes
+from ._toolchain import ToolchainError
 
-__all__ = ["PHASES", "CompileRefused", "Compiled", "Compiler", "Executable", "PhaseTimes", "get_compiler",
-           "make_compiler"]
+__all__ = ["PHASES", "CompileRefused", "Compiled", "Compiler", "Executable", "PhaseTimes", "ToolchainError",
+           "get_compiler", "make_compiler"]
 
 
 def get_compiler(name: str) -> Compiler:

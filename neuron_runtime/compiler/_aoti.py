@@ -41,7 +41,26 @@ from typing import Any
 import torch
 
 from .. import _config
-from ..signatures import _ops, _shapes, _signature
+from ..signatures import (
+    OPT_TENSOR,
+    OPT_TENSORS,
+    SCALAR,
+    SCALARS,
+    TENSOR,
+    TENSORS,
+    VALUE,
+    build_signature,
+    canonical,
+    class_example,
+    classify,
+    decode_dtype,
+    decode_value,
+    flat_class,
+    is_class,
+    is_flat,
+    is_wrapped,
+    other_instance,
+)
 from . import _runtime, _toolchain, _units
 from ._base import CompileRefused, Compiled, Compiler, Executable
 from ._reference import _resolve, aten_executable, build_call, build_graph
@@ -198,7 +217,7 @@ class AotiCompiler(Compiler):
     def _prepare(self) -> None:
         self.host_runtime().ensure()
         x = torch.zeros(4)
-        warm = _Job(_signature.build(_ops.classify("aten::add.Tensor"), (x, x, 1)))
+        warm = _Job(build_signature(classify("aten::add.Tensor"), (x, x, 1)))
         try:
             self._lower(warm)
         except Exception as e:  # noqa: BLE001 - a warm-up only: the real compile reports its own error
@@ -260,26 +279,26 @@ class AotiCompiler(Compiler):
         # its symbolic sizes as dynamic dims; the self-check then runs a second shape of the class too.
         # A flat class (the rank-collapse rule) compiles a 1-D kernel from its flattened example, and its
         # executable views the inputs flat and the outputs back (`_flat_executable`).
-        cls = job.cls = signature if _shapes.is_class(signature) else None
-        exact = job.exact = _shapes.example(cls) if cls is not None else signature
+        cls = job.cls = signature if is_class(signature) else None
+        exact = job.exact = class_example(cls) if cls is not None else signature
         job.into = [int(i) for _, i in exact.get("into", [])]  # inputs a fused group writes in place
         if "graph" in exact:  # a fused group (neuron_runtime.aten._fusion) or a torch.compile graph
             job.run = build_graph(exact, wrapped_as_tensors=True,
                                   choose=lambda sig, op: _per_element(sig["op"], op, sig) or _VIEWS.get(sig["op"], op))
             job.flat = graph_inputs(exact)
-            job.others = [graph_inputs(_shapes.other_instance(cls))] if cls is not None else []
+            job.others = [graph_inputs(other_instance(cls))] if cls is not None else []
             dynamic = _dynamic_dims(graph_inputs(cls)) if cls is not None else None
         elif exact.get("writes"):  # in place: the functional op, its results stored into the inputs
             job.run, job.into = _in_place_call(exact)
             job.flat = exact
-            job.others = [_shapes.other_instance(cls)] if cls is not None else []
+            job.others = [other_instance(cls)] if cls is not None else []
             dynamic = _dynamic_dims(cls) if cls is not None else None
         else:
             op = _resolve(qualname)
             _check_scalar_schema(qualname, op, exact)
             job.run = build_call(exact, _per_element(qualname, op, exact) or op, wrapped_as_tensors=True)
             job.flat = exact
-            job.others = [_shapes.other_instance(cls)] if cls is not None else []
+            job.others = [other_instance(cls)] if cls is not None else []
             dynamic = _dynamic_dims(cls) if cls is not None else None
             if qualname in LIBRARY_OPS:
                 # The op is one library call: its executable is that call (no C++ of its own).
@@ -354,7 +373,7 @@ class AotiCompiler(Compiler):
         t1 = time.perf_counter()
         job.add("packaging", t1 - t0)
         others = list(job.others)
-        if job.cls is not None and _shapes.is_flat(job.cls):
+        if job.cls is not None and is_flat(job.cls):
             # the shape it was made from: the flat views and the views back
             others.append(graph_inputs(job.cls["example"]) if "graph" in job.exact else job.cls["example"])
         for shape in [job.flat, *others]:
@@ -443,7 +462,7 @@ class AotiCompiler(Compiler):
         loader = _load_package(members, self.scratch())
         wrapped = [(int(i), str(d)) for i, d in meta.get("wrapped", [])]
         exe = _make_executable(loader, meta["signature"]["op"], meta["scalar_types"], wrapped)
-        flat = _shapes.is_flat(meta["signature"])
+        flat = is_flat(meta["signature"])
         if flat:
             exe = _flat_executable(exe)
         writes_at = [int(i) for i in meta.get("writes_at", [])]
@@ -465,7 +484,7 @@ def _in_place_call(signature: dict[str, Any]) -> tuple[Executable, list[int]]:
     op's functional variant, then each result stored into the list element it updates; and the indices,
     in the tensor inputs, of the elements it stores into."""
     qualname = signature["op"]
-    functional = _ops.classify(qualname, special=False).functional
+    functional = classify(qualname, special=False).functional
     if functional is None:
         raise CompileRefused(f"{qualname}: no functional variant to compile in place")
     fop = _resolve(functional.qualname)
@@ -477,8 +496,8 @@ def _in_place_call(signature: dict[str, Any]) -> tuple[Executable, list[int]]:
     at: dict[str, list[int]] = {}
     ti = 0
     for name, kind, desc in signature["args"]:
-        n = 1 if kind == _ops.TENSOR or (kind == _ops.OPT_TENSOR and desc is not None) else \
-            sum(d is not None for d in desc) if kind in (_ops.TENSORS, _ops.OPT_TENSORS) else 0
+        n = 1 if kind == TENSOR or (kind == OPT_TENSOR and desc is not None) else \
+            sum(d is not None for d in desc) if kind in (TENSORS, OPT_TENSORS) else 0
         at[name] = list(range(ti, ti + n))
         ti += n
     groups = [at[name] for name in signature["writes"]]
@@ -564,7 +583,7 @@ def _per_element(qualname: str, op: Any, signature: dict[str, Any]) -> Any | Non
         return None
     from torch._inductor.lowering import lowerings
 
-    has_scalars = any(kind in (_ops.SCALAR, _ops.SCALARS) for _, kind, _ in signature["args"])
+    has_scalars = any(kind in (SCALAR, SCALARS) for _, kind, _ in signature["args"])
     if not has_scalars and op in lowerings:
         return None
     base = qualname.removeprefix("aten::_foreach_").partition(".")[0]
@@ -634,23 +653,23 @@ def _example_inputs(signature: dict[str, Any], values: bool = False) -> tuple[li
     scalar_types: list[str] = []
     wrapped = dict(wrapped_slots(signature))
     for name, kind, desc in signature["args"]:
-        if kind in (_ops.TENSOR, _ops.OPT_TENSOR):
-            if _signature.is_wrapped(desc):
+        if kind in (TENSOR, OPT_TENSOR):
+            if is_wrapped(desc):
                 dtype = _WRAPPED_DTYPES[wrapped[len(tensors)]]
                 tensors.append(torch.tensor(_EXAMPLE_NUMBERS[desc["wrapped"]], dtype=dtype))
             elif desc is not None:
                 tensors.append(_example_tensor(desc, values))
-        elif kind in (_ops.TENSORS, _ops.OPT_TENSORS):
+        elif kind in (TENSORS, OPT_TENSORS):
             tensors.extend(_example_tensor(d, values) for d in desc if d is not None)
-        elif kind in (_ops.SCALAR, _ops.SCALARS):
-            types = [] if desc is None else [desc] if kind == _ops.SCALAR else list(desc)
+        elif kind in (SCALAR, SCALARS):
+            types = [] if desc is None else [desc] if kind == SCALAR else list(desc)
             for t in types:
                 if t not in _SCALAR_DTYPES:
                     raise CompileRefused(f"{signature['op']}: argument {name} is a run-time {t} scalar; "
                                          f"executables take only float and int scalars at run time")
                 scalar_types.append(t)
-        elif kind == _ops.VALUE:
-            _check_value(signature["op"], name, _signature.decode_value(desc))
+        elif kind == VALUE:
+            _check_value(signature["op"], name, decode_value(desc))
     scalars = [torch.tensor(0.5 if t == "float" else 2, dtype=_SCALAR_DTYPES[t]) for t in scalar_types]
     return tensors + scalars, scalar_types
 
@@ -672,18 +691,18 @@ def wrapped_slots(signature: dict[str, Any]) -> list[tuple[int, str]]:
     floats: list[torch.dtype] = []
     ints: list[torch.dtype] = []
     for _, kind, desc in signature["args"]:
-        descs = [desc] if kind in (_ops.TENSOR, _ops.OPT_TENSOR) else \
-            list(desc) if kind in (_ops.TENSORS, _ops.OPT_TENSORS) else []
+        descs = [desc] if kind in (TENSOR, OPT_TENSOR) else \
+            list(desc) if kind in (TENSORS, OPT_TENSORS) else []
         for d in descs:
             if d is None:
                 continue
-            if _signature.is_wrapped(d):
+            if is_wrapped(d):
                 t = d["wrapped"]
                 if t not in _EXAMPLE_NUMBERS:
                     raise CompileRefused(f"{signature['op']}: a {t} number in a tensor slot is not compiled")
                 slots.append((position, t))
             else:
-                dt = _signature.decode_dtype(d["dtype"])
+                dt = decode_dtype(d["dtype"])
                 if dt.is_floating_point:
                     floats.append(dt)
                 elif not dt.is_complex and dt != torch.bool:
@@ -714,11 +733,11 @@ def graph_inputs(signature: dict[str, Any]) -> dict[str, Any]:
         _check_scalar_schema(sig["op"], _resolve(sig["op"]), sig)
         slots: list[Any] = []
         for _, kind, desc in sig["args"]:
-            if kind in (_ops.TENSOR, _ops.OPT_TENSOR) and desc is not None:
+            if kind in (TENSOR, OPT_TENSOR) and desc is not None:
                 slots.append(desc)
-            elif kind == _ops.TENSORS:
+            elif kind == TENSORS:
                 slots += desc
-            elif kind == _ops.OPT_TENSORS:  # a compiled graph's `index` (None: a dimension not indexed)
+            elif kind == OPT_TENSORS:  # a compiled graph's `index` (None: a dimension not indexed)
                 slots += [d for d in desc if d is not None]
         if len(slots) != len(node["in"]):
             raise CompileRefused(f"{signature['op']}: node {k} ({sig['op']}) is not a fusible op")
@@ -726,10 +745,10 @@ def graph_inputs(signature: dict[str, Any]) -> dict[str, Any]:
             if w[0] == "e":
                 ext.setdefault(int(w[1]), desc)
         scalars += [[f"n{k}.{name}", kind, desc] for name, kind, desc in sig["args"]
-                    if kind in (_ops.SCALAR, _ops.SCALARS) and desc is not None]
+                    if kind in (SCALAR, SCALARS) and desc is not None]
     if sorted(ext) != list(range(len(ext))):
         raise CompileRefused(f"{signature['op']}: external inputs {sorted(ext)} are not numbered 0..n-1")
-    return {"op": signature["op"], "args": [[f"e{i}", _ops.TENSOR, ext[i]] for i in range(len(ext))] + scalars}
+    return {"op": signature["op"], "args": [[f"e{i}", TENSOR, ext[i]] for i in range(len(ext))] + scalars}
 
 
 def _check_scalar_schema(qualname: str, op: Any, signature: dict[str, Any]) -> None:
@@ -741,14 +760,14 @@ def _check_scalar_schema(qualname: str, op: Any, signature: dict[str, Any]) -> N
     the next call, since the key holds only its type: such arguments must be keyed by value to compile."""
     types = {a.name: str(a.type) for a in op._schema.arguments}
     for name, kind, desc in signature["args"]:
-        if kind in (_ops.SCALAR, _ops.SCALARS) and desc is not None and "number" not in types.get(name, ""):
+        if kind in (SCALAR, SCALARS) and desc is not None and "number" not in types.get(name, ""):
             raise CompileRefused(f"{qualname}: argument {name} is a `{types.get(name)}` in the schema, which "
                                  "cannot take a run-time value (only `Scalar` arguments can); it compiles once "
                                  "keyed by value")
 
 
 def _example_tensor(desc: dict[str, Any], values: bool = False) -> torch.Tensor:
-    dtype = _signature.decode_dtype(desc["dtype"])
+    dtype = decode_dtype(desc["dtype"])
     if dtype.itemsize == 1 and dtype.is_floating_point:
         # Inductor's CPU backend has no float8 codegen; the host runs these exactly. (Complex tensors
         # compile: Inductor calls ATen's kernels for what it cannot generate, and the self-check compares.)
@@ -812,9 +831,9 @@ def _dynamic_dims(cls: dict[str, Any]) -> list[list[Any]]:
     """The sizes (ints, symbol names) of each tensor input of a class, in `_example_inputs` order."""
     out: list[list[Any]] = []
     for _, kind, desc in cls["args"]:
-        descs = [desc] if kind in (_ops.TENSOR, _ops.OPT_TENSOR) else \
-            list(desc) if kind in (_ops.TENSORS, _ops.OPT_TENSORS) else []
-        out.extend([] if _signature.is_wrapped(d) else list(d["sizes"]) for d in descs if d is not None)
+        descs = [desc] if kind in (TENSOR, OPT_TENSOR) else \
+            list(desc) if kind in (TENSORS, OPT_TENSORS) else []
+        out.extend([] if is_wrapped(d) else list(d["sizes"]) for d in descs if d is not None)
     return out
 
 
@@ -878,7 +897,7 @@ def _package(qualname: str, so: bytes | None, meta: dict[str, Any]) -> bytes:
         if so is not None:
             z.writestr("archive/data/aotinductor/model/model.so", so)
             z.writestr("archive/data/aotinductor/model/model_metadata.json", json.dumps(info))
-        z.writestr("archive/" + META_PATH, _signature.canonical(meta))
+        z.writestr("archive/" + META_PATH, canonical(meta))
     return out.getvalue()
 
 
@@ -898,7 +917,7 @@ def _repackage(qualname: str, raw: bytes, meta: dict[str, Any], tmp: str) -> byt
                                      "refusing it (artifacts carry only the .so and JSON metadata)")
             data = src.read(name)
             dst.writestr(info, _strip(data, tmp) if name.endswith(".so") else data)
-        dst.writestr(prefix + META_PATH, _signature.canonical(meta))
+        dst.writestr(prefix + META_PATH, canonical(meta))
     return out.getvalue()
 
 
@@ -1037,7 +1056,7 @@ def _make_executable(loader: Any, qualname: str, scalar_types: Sequence[str],
 
 
 def _flat_executable(inner: Executable) -> Executable:
-    """A flat class's executable (`_shapes.flat_class`): its 1-D kernel on 1-D views of the inputs' memory
+    """A flat class's executable (`flat_class`): its 1-D kernel on 1-D views of the inputs' memory
     (all inputs have the same sizes and dense strides, so position k of each is the same element), each
     output viewed back with the first input's sizes and strides. Inputs already 1-D pass as they are."""
     def exe_flat(tensors: Sequence[Any], scalars: Sequence[Any]) -> Sequence[torch.Tensor]:

@@ -11,7 +11,19 @@ from typing import Any
 
 import torch
 
-from ..signatures import _ops, _signature
+from ..signatures import (
+    OPT_TENSOR,
+    OPT_TENSORS,
+    SCALAR,
+    SCALARS,
+    TENSOR,
+    TENSORS,
+    VALUE,
+    canonical,
+    decode_value,
+    is_wrapped,
+    scalar_overload,
+)
 from ._base import CompileRefused, Compiler, Executable
 
 
@@ -31,24 +43,24 @@ def build_call(signature: dict[str, Any], op: Any, wrapped_as_tensors: bool = Fa
     only the overload taking a Scalar there accepts; `wrapped_as_tensors`: the caller passes 0-d tensors
     there instead (the aoti tier's graph inputs), so `op` itself is called."""
     if not wrapped_as_tensors:
-        op = _ops.scalar_overload(op, {name for name, kind, desc in signature["args"]
-                                       if kind == _ops.TENSOR and _signature.is_wrapped(desc)})
+        op = scalar_overload(op, {name for name, kind, desc in signature["args"]
+                                       if kind == TENSOR and is_wrapped(desc)})
     consts: list[Any] = []
     pos: list[str] = []
     kw: list[str] = []
     ti = si = 0
     schema_args = {a.name: a for a in op._schema.arguments}
     for name, kind, desc in signature["args"]:
-        if kind == _ops.TENSOR:
+        if kind == TENSOR:
             expr = f"T[{ti}]"
             ti += 1
-        elif kind == _ops.OPT_TENSOR:
+        elif kind == OPT_TENSOR:
             if desc is None:
                 expr = "None"
             else:
                 expr = f"T[{ti}]"
                 ti += 1
-        elif kind in (_ops.TENSORS, _ops.OPT_TENSORS):
+        elif kind in (TENSORS, OPT_TENSORS):
             items = []
             for d in desc:
                 if d is None:
@@ -57,20 +69,20 @@ def build_call(signature: dict[str, Any], op: Any, wrapped_as_tensors: bool = Fa
                     items.append(f"T[{ti}]")
                     ti += 1
             expr = "[" + ", ".join(items) + "]"
-        elif kind == _ops.SCALAR:
+        elif kind == SCALAR:
             if desc is None:
                 expr = "None"
             else:
                 expr = f"S[{si}]"
                 si += 1
-        elif kind == _ops.SCALARS:
+        elif kind == SCALARS:
             if desc is None:
                 expr = "None"
             else:
                 expr = f"S[{si}:{si + len(desc)}]"
                 si += len(desc)
-        elif kind == _ops.VALUE:
-            consts.append(_signature.decode_value(desc))
+        elif kind == VALUE:
+            consts.append(decode_value(desc))
             expr = f"C[{len(consts) - 1}]"
         else:
             raise CompileRefused(f"{signature['op']}: cannot pass argument {name} ({kind})")
@@ -111,7 +123,7 @@ class ReferenceCompiler(Compiler):
             build_graph(signature)
         else:
             build_call(signature, _resolve(signature["op"]))  # refuse now, not at load time
-        return _signature.canonical({"format": "reference-v1", "signature": signature})
+        return canonical({"format": "reference-v1", "signature": signature})
 
     def load(self, payload: bytes) -> Executable:
         desc = json.loads(payload)
@@ -146,8 +158,8 @@ def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
         op = _resolve(node["sig"]["op"])
         call = build_call(node["sig"], choose(node["sig"], op) if choose else op, wrapped_as_tensors)
         wiring = [(w[0] == "n", int(w[1]), int(w[2]) if len(w) > 2 else 0) for w in node["in"]]
-        n_scalars = sum(1 if kind == _ops.SCALAR and desc is not None else
-                        len(desc) if kind == _ops.SCALARS and desc is not None else 0
+        n_scalars = sum(1 if kind == SCALAR and desc is not None else
+                        len(desc) if kind == SCALARS and desc is not None else 0
                         for _, kind, desc in node["sig"]["args"])
         steps.append((call, wiring, n_scalars))
     def result(o: Any) -> tuple[int, int]:

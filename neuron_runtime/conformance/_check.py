@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..aten import _dispatch
+from ..aten import runtime
 from ._skips import ANY_DEVICE, CPU_ARGS, METADATA_ONLY, NO_BACKWARD, NO_INPLACE, NO_OUT, SKIP
 
 DEVICE = "neuron"
@@ -67,7 +67,7 @@ class _HostLog:
     """Records every aten op the runtime runs on the host while active (wraps `Runtime.host_call`)."""
 
     def __init__(self) -> None:
-        self.rt = _dispatch.runtime()
+        self.rt = runtime()
         self.host: dict[str, str] = {}
         self.fallback: dict[str, str] = {}
         self.active = False
@@ -391,7 +391,7 @@ def check_op(op: Any, k: int = 3, dtype: torch.dtype | None = None, deadline_s: 
     log = log or _HostLog()
     log.host.clear()
     log.fallback.clear()
-    rt = _dispatch.runtime()
+    rt = runtime()
     before = rt.stats()
     refused_before = set(rt.resolver.refused_classes)
     values = name not in METADATA_ONLY and not op.has_nondeterministic_output
@@ -467,7 +467,7 @@ def cuda_only_reference(op: Any, dtype: torch.dtype, sample: tuple[Any, Any, Any
     """What CUDA computes for a dtype the CPU kernel lacks: CPU in the nearest wider dtype it accepts
     (float16/bfloat16 -> float32, complex32 -> complex64, ints -> int64 -> float64, bool -> int64), the
     results in the dtypes the op's meta kernel gives for the original inputs (as CUDA returns them)."""
-    from ..aten import _widen
+    from ..aten import named_dtypes, result_dtypes, run_widened
 
     inp, args, kwargs = sample
     fn = op
@@ -478,21 +478,21 @@ def cuda_only_reference(op: Any, dtype: torch.dtype, sample: tuple[Any, Any, Any
                                   else t, (inp, args, kwargs))
         torch.manual_seed(seed)
         out = fn(widened[0], *widened[1], **widened[2])
-        want = _widen.result_dtypes(op, [inp, *args], kwargs)
+        want = result_dtypes(op, [inp, *args], kwargs)
         leaves = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
         return [o.to(w) for o, w in zip(leaves, want or [o.dtype for o in leaves])]
     torch.manual_seed(seed)
     try:
         return fn(inp, *args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the CPU kernel lacks the dtype: compute it wider
-        if not _widen.named_dtypes(e):
+        if not named_dtypes(e):
             raise
         torch.manual_seed(seed)
-        return _widen.run(op_key(op), _Call(fn), [inp, *args], kwargs, e)[0]
+        return run_widened(op_key(op), _Call(fn), [inp, *args], kwargs, e)[0]
 
 
 class _Call:
-    """An OpInfo callable with the `_schema` `_widen.run` reads (no arguments mutated)."""
+    """An OpInfo callable with the `_schema` `run_widened` reads (no arguments mutated)."""
 
     class _schema:  # noqa: N801
         arguments: list[Any] = []

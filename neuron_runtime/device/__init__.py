@@ -9,7 +9,15 @@
     _conflicts.py     another package's `neuron` backend: fail clearly
 
 Imports `aten/` and `graphs/` below it; nothing below imports it. Nothing here is public API:
-`neuron_runtime` and `torch.neuron` are.
+`neuron_runtime` and `torch.neuron` are; the package root uses the names below.
 """
 
-__all__: list[str] = []
+from ._autocast import install as install_autocast
+from ._conflicts import check as check_conflicts
+from ._register import register as register_device
+from ._rnn import install as install_rnn
+from ._shims import install as install_shims
+from ._torch_neuron import DEVICE, set_capacity
+
+__all__ = ["DEVICE", "check_conflicts", "install_autocast", "install_rnn", "install_shims", "register_device",
+           "set_capacity"]

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .._native import _hostmem
+from .._native import NATIVE, smoke_test
 from . import _torch_neuron
 from ._torch_neuron import DEVICE
 
@@ -64,16 +64,16 @@ def register() -> None:
         torch._register_device_module(DEVICE, _torch_neuron)
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
     # The native hooks can also resize storages in place (FSDP2 frees unsharded parameters that way).
-    if _hostmem.NATIVE is None or not _hostmem.NATIVE.register_hooks():
+    if NATIVE is None or not NATIVE.register_hooks():
         torch._C._acc.register_python_privateuseone_hook(_Hooks())
     # The native layer's guard when it is loaded: the Python one calls into Python on every use.
-    if _hostmem.NATIVE is None or not _hostmem.NATIVE.register_device_guard():
+    if NATIVE is None or not NATIVE.register_device_guard():
         torch._C._acc.register_python_privateuseone_device_guard(_Guard())
-    if _hostmem.NATIVE is not None:
-        _hostmem.NATIVE.register_allocator()  # memory counters for torch.accelerator (see _torch_neuron)
+    if NATIVE is not None:
+        NATIVE.register_allocator()  # memory counters for torch.accelerator (see _torch_neuron)
         _torch_neuron.set_capacity()
-        _hostmem.NATIVE.register_profiler()  # the device track of torch.profiler traces (_native/trace.h)
-    _hostmem.smoke_test()
+        NATIVE.register_profiler()  # the device track of torch.profiler traces (_native/trace.h)
+    smoke_test()
     # nn.Module.to() must keep Parameter objects (tied weights stay tied, optimizers keep their params).
     # PyTorch only swaps in place for backends it knows; this switch makes it swap for ours too.
     torch.__future__.set_swap_module_params_on_conversion(True)

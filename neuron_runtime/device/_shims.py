@@ -59,7 +59,7 @@ def _is_neuron(device: Any) -> bool:
 
 
 def _neuron_storage(nbytes: int) -> torch.UntypedStorage:
-    from ..aten._dispatch import wrap
+    from ..aten import wrap
 
     return wrap(torch.empty(int(nbytes), dtype=torch.uint8)).untyped_storage()
 
@@ -157,7 +157,7 @@ def install() -> None:
     swap = torch.utils.swap_tensors
 
     def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        from ..aten._dispatch import forget
+        from ..aten import forget
 
         forget(t1)
         forget(t2)
@@ -239,7 +239,7 @@ def _route_inductor() -> None:
         if any(isinstance(t, torch.Tensor) and t.device.type == _torch_neuron.DEVICE for t in inputs_):
             import logging
 
-            from ..graphs._compile import backend
+            from ..graphs import backend
 
             logging.getLogger(__name__).info(
                 "torch.compile: a graph on neuron tensors compiles with backend='neuron' (Inductor has no "

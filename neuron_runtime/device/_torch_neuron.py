@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from .. import _config
-from .._native import _hostmem
-from ..aten import _fusion
+from .._native import NATIVE
+from ..aten import flush_fusion
 from ._streams import Event, Stream, current_stream, default_stream, stream  # noqa: F401 - FSDP2's stream API
 
 __neuron_runtime__ = True  # _register.owner_of_privateuse1 knows its own module by this
@@ -72,7 +72,7 @@ def set_device(device: Any) -> None:
 def synchronize(device: Any = None) -> None:
     """Run every queued op (with fusion on); otherwise ops already ran synchronously on the host."""
     _device_index(device)
-    _fusion.flush("synchronize")
+    flush_fusion("synchronize")
 
 
 def is_initialized() -> bool:
@@ -131,7 +131,7 @@ class MemoryStatsUnavailable(RuntimeError):
 
 
 def _native() -> Any:
-    native = _hostmem.NATIVE
+    native = NATIVE
     if native is None:
         from .. import _native as native_mod
 
@@ -154,7 +154,7 @@ def _memory_index(device: Any) -> int:
 def set_capacity() -> None:
     """Hand TORCH_NEURONX_DEVICE_MEMORY to the native allocator (at registration and on
     `neuron_runtime.reset()`); a value it cannot use is the error every capacity query raises."""
-    native = _hostmem.NATIVE
+    native = NATIVE
     if native is None:
         return
     try:
@@ -253,8 +253,8 @@ def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
 
 def empty_cache() -> None:
     """Give host memory the C allocator kept after frees back to the OS (glibc `malloc_trim`)."""
-    if _hostmem.NATIVE is not None:
-        _hostmem.NATIVE.empty_cache()
+    if NATIVE is not None:
+        NATIVE.empty_cache()
         return
     import ctypes
 

@@ -19,21 +19,20 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from .. import _native
-from .._native import _hostmem
-from . import BACKEND
+from .._native import NATIVE
 
 
 def counts() -> dict[str, dict[str, int]]:
     """Per collective, the calls and bytes this process ran through `neuron` groups."""
-    if _hostmem.NATIVE is None:
+    if NATIVE is None:
         return {}
     return {name: {"calls": calls, "bytes": nbytes}
-            for name, (calls, nbytes) in _hostmem.NATIVE.collective_counts().items()}
+            for name, (calls, nbytes) in NATIVE.collective_counts().items()}
 
 
 def create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> dist.Backend:
     """c10d's creator of the `neuron` backend (registered by `neuron_runtime.distributed.register`)."""
-    if _hostmem.NATIVE is None:
-        raise RuntimeError(f"the '{BACKEND}' process group needs the runtime's native layer, which is "
+    if NATIVE is None:
+        raise RuntimeError(f"the 'neuron' process group needs the runtime's native layer, which is "
                            f"unavailable here ({_native.status()})")
-    return _hostmem.NATIVE.process_group(ProcessGroupGloo(store, rank, size, timeout), rank, size)
+    return NATIVE.process_group(ProcessGroupGloo(store, rank, size, timeout), rank, size)

@@ -8,7 +8,37 @@
     _record.py     recording signatures for `neuron-cache warm`
     _megacache.py  the executables a process used, in `torch.compiler.save_cache_artifacts()` bundles
 
-Imports `cache/`, `compiler/` and `signatures/` below it. Nothing here is public API.
+Imports `cache/`, `compiler/` and `signatures/` below it. What the layers above use is named here;
+nothing here is public API. The compile service's and the signature records' names load on first use
+(`neuron-cache` needs them; a training process that only hits its cache never imports them).
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from typing import Any
+
+from ..cache import CacheMissError, IntegrityError, TieredCache
+from ..compiler import CompileRefused, Compiler, Executable
+from ._megacache import register as register_megacache, set_provider, stats as megacache_stats
+from ._resolver import Resolver
+
+# What a resolve answers with, from the layers below (the layers above never import those themselves).
+_VOCABULARY = ["CacheMissError", "CompileRefused", "Compiler", "Executable", "IntegrityError", "TieredCache"]
+__all__ = [*_VOCABULARY, "ManifestLine", "Resolver", "WorkerPool", "ask", "check_signature", "megacache_stats",
+           "parse_line", "read_manifest", "register_megacache", "scan_manifest", "service_dir", "set_provider"]
+
+_RECORD = frozenset({"ManifestLine", "check_signature", "parse_line", "read_manifest", "scan_manifest"})
+_CLIENT = frozenset({"ask", "service_dir"})
+
+
+def __getattr__(name: str) -> Any:
+    """The names only `neuron-cache` uses, imported on first use."""
+    if name in _RECORD:
+        from . import _record as module
+    elif name in _CLIENT:
+        from ._service import _client as module
+    elif name == "WorkerPool":
+        from ._service import _server as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(module, name)

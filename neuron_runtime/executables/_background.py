@@ -34,7 +34,7 @@ import time
 import warnings
 from typing import Any
 
-from .. import _config, _profiling
+from .. import _config, _profiling, _version
 from ..compiler import CompileRefused, Executable
 from . import _entries, _manifest
 
@@ -534,8 +534,6 @@ def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[A
     cannot live in the cache directory). Its name is an HMAC of the identity under a random per-user
     salt kept in that directory, so neither the name nor the service's command line reveals anything
     derived from a secret (the signing key, AWS credentials) to anyone who cannot read the directory."""
-    from .. import __file__ as package_file, __version__
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
     env.update(_config.to_env(cfg))
     env["TORCH_NEURONX_COMPILE_MODE"] = "sync"
@@ -547,8 +545,8 @@ def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[A
         local_id = [st.st_dev, st.st_ino]
     except OSError:
         local_id = None
-    package = os.path.dirname(package_file)
-    identity = {"runtime": __version__, "package": package, "code": code_stamp(package), "python": sys.executable,
+    package = _version.PACKAGE_DIR
+    identity = {"runtime": _version.__version__, "package": package, "code": code_stamp(package), "python": sys.executable,
                 "local": local_id,
                 "fp": fingerprint, "env": {k: v for k, v in env.items()
                                            if k.startswith(("TORCH_NEURONX_", "AWS_", "FSSPEC_"))}}
@@ -561,10 +559,9 @@ def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[A
 def _prepare_service() -> None:
     """What `service_address` spends ms of Python on, done ahead (its identity's other parts, the local
     tier's directory among them, may only exist at the first miss)."""
-    from .. import __file__ as package_file
     from ._service import _client  # noqa: F401
 
-    code_stamp(os.path.dirname(package_file))
+    code_stamp(_version.PACKAGE_DIR)
 
 
 _stamps: dict[str, str] = {}

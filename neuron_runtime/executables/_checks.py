@@ -25,13 +25,13 @@ import os
 import re
 from typing import Any
 
-from ..signatures import _ops, _shapes
+from ..signatures import OPT_TENSOR, OPT_TENSORS, SCALAR, SCALARS, TENSOR, TENSORS, VALUE, is_class, resolve_op
 from ._record import check_signature
 
 MAX_RANK = 64
 _OP_NAME = re.compile(r"aten::[a-z_][a-z0-9_]*(\.[A-Za-z0-9_]+)?")
-_KINDS = frozenset({_ops.TENSOR, _ops.OPT_TENSOR, _ops.TENSORS, _ops.OPT_TENSORS, _ops.SCALAR, _ops.SCALARS,
-                    _ops.VALUE})
+_KINDS = frozenset({TENSOR, OPT_TENSOR, TENSORS, OPT_TENSORS, SCALAR, SCALARS,
+                    VALUE})
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,9 +46,9 @@ def max_example_bytes() -> int:
 
 @functools.lru_cache(maxsize=None)
 def _itemsize(dtype: str) -> int:
-    from ..signatures import _signature
+    from ..signatures import decode_dtype
 
-    return int(_signature.decode_dtype(dtype).itemsize)
+    return int(decode_dtype(dtype).itemsize)
 
 
 def _is_int(v: Any) -> bool:
@@ -59,7 +59,7 @@ def _ops_of(sig: dict[str, Any]) -> list[tuple[dict[str, Any], bool]]:
     """Every op signature in `sig` (a fused group's nodes; a class's and its example's), each with
     whether its sizes may be symbols (a shape class's own, never an exact signature's)."""
     out: list[tuple[dict[str, Any], bool]] = []
-    parts = [(sig, _shapes.is_class(sig))]
+    parts = [(sig, is_class(sig))]
     if isinstance(sig.get("example"), dict):
         parts.append((sig["example"], False))
     for s, symbolic in parts:
@@ -74,7 +74,7 @@ def check_bounds(sig: dict[str, Any], max_bytes: int | None = None) -> dict[str,
     total = 0
     for op, symbolic in _ops_of(sig):
         for name, kind, desc in op["args"]:
-            for d in desc if kind in (_ops.TENSORS, _ops.OPT_TENSORS) and isinstance(desc, list) else [desc]:
+            for d in desc if kind in (TENSORS, OPT_TENSORS) and isinstance(desc, list) else [desc]:
                 if not (isinstance(d, dict) and "sizes" in d):
                     continue
                 sizes, strides, dtype = d.get("sizes"), d.get("strides"), d.get("dtype")
@@ -104,7 +104,7 @@ def _schema(qualname: str) -> tuple[str, tuple[str, ...]] | None:
     if not _OP_NAME.fullmatch(qualname):
         return None
     try:
-        op = _ops._resolve(qualname)
+        op = resolve_op(qualname)
         return str(op._schema), tuple(a.name for a in op._schema.arguments)
     except Exception:  # noqa: BLE001 - an op this torch does not have
         return None
@@ -128,6 +128,6 @@ def check_known(sig: dict[str, Any]) -> dict[str, Any]:
 
 def check_hint(sig: Any, max_bytes: int | None = None) -> dict[str, Any]:
     """An exact signature that is known and bounded (`check_known`, `check_bounds`)."""
-    if isinstance(sig, dict) and (_shapes.is_class(sig) or "example" in sig or "flat" in sig):
+    if isinstance(sig, dict) and (is_class(sig) or "example" in sig or "flat" in sig):
         raise ValueError("a shape class, not an exact signature")
     return check_bounds(check_known(sig), max_bytes)

@@ -16,8 +16,9 @@ import errno
 import subprocess
 from typing import Any
 
-from .. import _profiling
+from .. import _profiling, _version
 from ..compiler import Compiled, Compiler, CompileRefused
+from ..signatures import kind_of
 
 REFUSED = "refused"
 
@@ -39,7 +40,7 @@ _TRANSIENT_TEXT = ("no space left on device", "cannot allocate memory", "out of 
 def transient(e: BaseException) -> str | None:
     """Why `e` (or an exception in its cause chain) is about this host or moment rather than the op: a
     short reason, or None for a verdict on the op (cacheable)."""
-    from ..compiler._toolchain import ToolchainError  # compiler tiers share it: a host that cannot build
+    from ..compiler import ToolchainError
 
     seen: set[int] = set()
     x: BaseException | None = e
@@ -66,10 +67,8 @@ def build_entry(cache: Any, compiler: Compiler, key: str, sig: dict[str, Any], f
     """Compile `sig` (unless `compiled` is its result already, e.g. from a batch) and pack the envelope
     for `key`; a refusal becomes a refusal entry. The header keeps the compile's seconds per phase
     (`"compile"`: what `neuron-cache stats` reports)."""
-    from .. import __version__  # read at call time (not bound at import)
-
     if compiled is None:
-        with _profiling.compile_span(sig, key):
+        with _profiling.compile_span(sig, key, kind_of(sig)):
             compiled = compiler.compile_many([sig])[0]
     header: dict[str, Any] = {"signature": sig, "fingerprint": fingerprint}
     if producer:
@@ -84,7 +83,7 @@ def build_entry(cache: Any, compiler: Compiler, key: str, sig: dict[str, Any], f
                               f"{str(e)[:300]}") from e
     if isinstance(e, CompileRefused) and not isinstance(e, HostRefused):
         header[REFUSED] = str(e)
-        header["runtime"] = __version__
+        header["runtime"] = _version.__version__  # read at call time (a test stands in an older one)
         payload = b""
     else:
         payload = compiled.unwrap()
@@ -100,9 +99,7 @@ def check(entry: Any) -> None:
 
 def stale_refusal(entry: Any) -> bool:
     """`entry` is a refusal made by another neuron-runtime version (so worth asking the compiler again)."""
-    from .. import __version__
-
-    return bool(entry.header.get(REFUSED)) and entry.header.get("runtime") != __version__
+    return bool(entry.header.get(REFUSED)) and entry.header.get("runtime") != _version.__version__
 
 
 def replace(cache: Any, key: str, compile_entry: Any) -> Any:

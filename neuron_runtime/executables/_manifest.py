@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..signatures import _signature
+from ..signatures import SignatureError, canonical
 from . import _checks
 
 FORMAT = "neuron-manifest-v2"
@@ -75,7 +75,7 @@ def job_id(named: str | None, first: list[str] | None = None) -> str | None:
 
 def segment_key(job: str, fingerprint: dict[str, Any], i: int) -> str:
     doc = {"manifest": FORMAT, "job": job, "fp": fingerprint, "segment": i}
-    return hashlib.sha256(_signature.canonical(doc)).hexdigest()
+    return hashlib.sha256(canonical(doc)).hexdigest()
 
 
 def header(job: str, fingerprint: dict[str, Any], i: int, writer: str) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def header(job: str, fingerprint: dict[str, Any], i: int, writer: str) -> dict[s
 
 
 def payload(job: str, i: int, sigs: list[dict[str, Any]]) -> bytes:
-    return _signature.canonical({"format": FORMAT, "job": job, "segment": i, "signatures": sigs})
+    return canonical({"format": FORMAT, "job": job, "segment": i, "signatures": sigs})
 
 
 def parse(entry: Any, job: str, i: int) -> tuple[list[dict[str, Any]], list[str]]:
@@ -110,7 +110,7 @@ def parse(entry: Any, job: str, i: int) -> tuple[list[dict[str, Any]], list[str]
     problems: list[str] = []
     for n, sig in enumerate(items[:MAX_ITEMS]):
         try:
-            if len(_signature.canonical(sig)) > MAX_ITEM_BYTES:
+            if len(canonical(sig)) > MAX_ITEM_BYTES:
                 raise ValueError(f"over {MAX_ITEM_BYTES} bytes")
             out.append(_checks.check_hint(sig))
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
@@ -164,7 +164,7 @@ class Chain:
         for sig in sigs:
             try:
                 k = self.key_of(sig)
-            except (ValueError, TypeError, KeyError, _signature.SignatureError) as e:
+            except (ValueError, TypeError, KeyError, SignatureError) as e:
                 self.problems.append(f"segment {i}: {e}")
                 continue
             held.add(k)
@@ -179,7 +179,7 @@ class Chain:
             return 0
         for k, s in used.items():
             if k not in self.items and len(self.items) < MAX_ITEMS and \
-                    len(_signature.canonical(s)) <= MAX_ITEM_BYTES:  # readers would drop it
+                    len(canonical(s)) <= MAX_ITEM_BYTES:  # readers would drop it
                 self.items[k] = s
         written = 0
         for name, _ in self.cache.tiers:
@@ -213,7 +213,7 @@ class Chain:
         """As many signatures as one segment holds (MAX_SEGMENT_BYTES, with room for the envelope)."""
         out, size = [], 0
         for s in sigs:
-            n = len(_signature.canonical(s)) + 1
+            n = len(canonical(s)) + 1
             if size + n > MAX_SEGMENT_BYTES - 4096 and out:
                 break
             out.append(s)

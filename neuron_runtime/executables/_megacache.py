@@ -31,9 +31,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .. import envelope
+from ..cache import envelope
 from ..cache import IntegrityError
-from ..cache._base import check_key
+from ..cache import check_key
 
 TYPE = "neuron_neff"
 MAX_ENTRY = 1 << 30  # an entry is a few MB at most; a larger artifact is not one of ours

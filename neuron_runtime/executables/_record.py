@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..signatures import _signature
+from ..signatures import build_signature, canonical
 
 
 class ManifestError(ValueError):
@@ -37,7 +37,7 @@ class Recorder:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     def __call__(self, signature: dict[str, Any], digest: str) -> None:
-        line = _signature.canonical({"op": signature["op"], "signature": signature}).decode()
+        line = canonical({"op": signature["op"], "signature": signature}).decode()
         with self._lock:
             if line in self._seen:
                 return
@@ -52,7 +52,7 @@ class Recorder:
 
 
 def check_signature(sig: Any) -> dict[str, Any]:
-    """`sig` if it has the shape `_signature.build` produces; ValueError naming what is wrong otherwise.
+    """`sig` if it has the shape `build_signature` produces; ValueError naming what is wrong otherwise.
 
     Structural only: whether the op exists and compiles is the compiler's business (a refusal there is
     reported per signature, not as a bad manifest line)."""
@@ -126,7 +126,7 @@ def scan_manifest(path: str) -> Iterator[ManifestLine]:
             except ValueError as e:
                 yield ManifestLine(n, None, ManifestError(path, n, str(e)))
                 continue
-            key = _signature.canonical(sig).decode()
+            key = canonical(sig).decode()
             if key not in seen:
                 seen.add(key)
                 yield ManifestLine(n, sig)

@@ -27,7 +27,7 @@ from typing import Any
 from .. import _config, _profiling
 from ..cache import CacheMissError, TieredCache
 from ..compiler import CompileRefused, Compiler, Executable, PhaseTimes, get_compiler
-from ..signatures import _shapes, _signature
+from ..signatures import cache_key, canonical, is_class, is_flat, kind_of, policy_allows, shape_classes
 from . import _entries, _megacache
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class Resolver:
         return self._cache
 
     def key(self, sig: dict[str, Any]) -> str:
-        return _signature.cache_key(sig, self.fingerprint)
+        return cache_key(sig, self.fingerprint)
 
     # -- resolution -------------------------------------------------------------------------------
     def resolve(self, sig: dict[str, Any], wait: bool | None = None) -> tuple[Executable | None, str]:
@@ -218,11 +218,11 @@ class Resolver:
 
     def candidates(self, sig: dict[str, Any]) -> list[dict[str, Any]]:
         """The signatures whose executables can serve `sig`, most general first (the exact one last):
-        its shape classes (`_shapes.classes`: the flat class of an elementwise op, the ranked class;
+        its shape classes (`shape_classes`: the flat class of an elementwise op, the ranked class;
         TORCH_NEURONX_SHAPES), then `sig`. Called on memory-tier misses only."""
-        if _shapes.is_class(sig) or not _shapes.policy_allows(self.cfg.shapes, sig):
+        if is_class(sig) or not policy_allows(self.cfg.shapes, sig):
             return [sig]
-        return [*_shapes.classes(sig), sig]
+        return [*shape_classes(sig), sig]
 
     def allowed(self, sig: dict[str, Any]) -> list[str]:
         """The keys whose executables may serve `sig`: its classes' and its own (`candidates`), derived
@@ -262,7 +262,8 @@ class Resolver:
 
     def _load(self, key: str, entry: Any) -> Executable:
         """The executable of a verified entry (a profiler range); the entry is `used` once it loaded."""
-        with _profiling.compile_span(entry.header.get("signature") or {}, key, "load"):
+        loaded = entry.header.get("signature") or {}
+        with _profiling.compile_span(loaded, key, kind_of(loaded), "load"):
             exe = self.compiler.load(entry.payload)
         self.used(key, entry)
         return exe
@@ -355,7 +356,7 @@ class Resolver:
             if len(self.by_digest) + len(self.classes) >= self.cfg.memory_cache_entries:
                 self._evict()
             self.by_digest[digest] = exe
-            if _shapes.is_class(sig):
+            if is_class(sig):
                 self.class_keys.add(digest)
         if self.recorder is not None:
             self.recorder(sig, digest)
@@ -388,7 +389,7 @@ class Resolver:
             self.count("misses")
             if self.cfg.cache_mode == "strict":
                 raise CacheMissError(digest, self.strict_message(digest, sig))
-            with _profiling.compile_span(sig, digest):
+            with _profiling.compile_span(sig, digest, kind_of(sig)):
                 result = self.compiler.compile_many([sig])[0]
             self.phase_times.add(result.phases)
             payload = result.unwrap()
@@ -398,7 +399,7 @@ class Resolver:
 
         def compile_entry() -> bytes:
             log.info("compiling %s", sig["op"])
-            with _profiling.compile_span(sig, digest):
+            with _profiling.compile_span(sig, digest, kind_of(sig)):
                 result = self.compiler.compile_many([sig])[0]
             self.phase_times.add(result.phases)
             entry = _entries.build_entry(cache, self.compiler, digest, sig, self.fingerprint, compiled=result)
@@ -424,7 +425,7 @@ class Resolver:
 
     def count_kind(self, sig: dict[str, Any]) -> None:
         """A compile of an op, a fused group or a torch.compile graph (`stats()["compiles_by_kind"]`)."""
-        kind = _profiling.kind_of(sig)
+        kind = kind_of(sig)
         kind = "op" if kind == "class" else kind  # (a shape class's executable serves an op)
         with self._kinds_lock:
             self.compile_kinds[kind] += 1
@@ -442,14 +443,14 @@ class Resolver:
     def strict_message(digest: str, sig: dict[str, Any]) -> str:
         return (f"strict cache mode (TORCH_NEURONX_CACHE_MODE=strict): no cached executable for "
                 f"{sig['op']} (key {digest}); warm the cache with `neuron-cache warm -- <job>`. "
-                f"Signature: {_signature.canonical(sig).decode()}")
+                f"Signature: {canonical(sig).decode()}")
 
 
 def _label(exe: Executable, key: str, sig: dict[str, Any]) -> None:
     """How the profiler's device track names this executable's runs (`_native/trace.h`): its op (or fused
     group, graph), key, kind and shape class."""
-    shape_class = ("flat" if _shapes.is_flat(sig) else "ranked") if _shapes.is_class(sig) else "exact"
+    shape_class = ("flat" if is_flat(sig) else "ranked") if is_class(sig) else "exact"
     try:
-        exe.__neuron_trace__ = (str(sig.get("op", "?")), key, _profiling.kind_of(sig), shape_class)  # type: ignore[attr-defined]
+        exe.__neuron_trace__ = (str(sig.get("op", "?")), key, kind_of(sig), shape_class)  # type: ignore[attr-defined]
     except (AttributeError, TypeError):  # an executable that takes no attributes runs unnamed
         pass

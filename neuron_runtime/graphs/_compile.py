@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .._native import _hostmem, _trace
-from ..aten import _dispatch
+from .._native import GRAPHS, NATIVE, trace_run
+from ..aten import alias, runtime, wrap
 from . import _graph
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class _Specialised:
 
 def _runtime() -> Any:
     """The current runtime (a test or `neuron_runtime.reset()` may have replaced the one a graph met first)."""
-    return _dispatch.runtime()
+    return runtime()
 
 
 def _compiler(kind: str) -> Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
@@ -126,7 +126,7 @@ class CompiledGraph:
         self.gm = gm
         self.kind = kind
         self.exe: Any = None
-        self.native: Any = None  # the executable behind the native runner (_hostmem.NATIVE.GraphRunner)
+        self.native: Any = None  # the executable behind the native runner (NATIVE.GraphRunner)
         self.refused: str | None = None
         self.plan: _graph.GraphPlan | None = None
         self.key = ""
@@ -191,11 +191,10 @@ class CompiledGraph:
         return out
 
     def _run(self, plan: _graph.GraphPlan, args: list[Any]) -> list[Any]:
-        alias, wrap = _dispatch.alias, _dispatch.wrap
         consts = plan.constants
         ins = [alias(t) if t.device.type == "neuron" else t
                for t in (args[p] if p >= 0 else consts[-1 - p] for p in plan.inputs)]
-        outs = _trace.run(self.exe, ins, (), _trace.GRAPHS)
+        outs = trace_run(self.exe, ins, (), GRAPHS)
         # Input mutations (an optimizer's parameters and moments): the executable wrote those the graph
         # reads (`plan.writes`); the others are copied on the host, into the inputs' CPU views. Version
         # counters are bumped as the in-place op would have.
@@ -230,9 +229,9 @@ _OUTPUT_KINDS = {"x": 0, "in": 1, "const": 2}
 
 def _native_runner(exe: Any, plan: _graph.GraphPlan) -> Any:
     """`_run` in C++ (one call: CPU views in, relabelled results out), or None without the native layer."""
-    if _hostmem.NATIVE is None:
+    if NATIVE is None:
         return None
     outputs = [(_OUTPUT_KINDS[how], v if how != "const" else 0) for how, v in plan.outputs]
-    return _hostmem.NATIVE.GraphRunner(exe, plan.inputs, plan.copies, plan.writes, outputs, plan.on_device,
+    return NATIVE.GraphRunner(exe, plan.inputs, plan.copies, plan.writes, outputs, plan.on_device,
                                        plan.constants)
 

@@ -22,7 +22,21 @@ from typing import Any
 
 import torch
 
-from ..signatures import _ops, _signature
+from ..signatures import (
+    GENERATOR,
+    OPT_TENSOR,
+    OPT_TENSORS,
+    OTHER,
+    OpInfo,
+    SignatureError,
+    TENSOR,
+    TENSORS,
+    VALUE,
+    classify,
+    encode_value,
+    qualname_of,
+    tensor_meta,
+)
 
 _DEVICE = "neuron"
 
@@ -58,7 +72,7 @@ class GraphPlan:
     constants: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
-_INFOS: dict[str, _ops.OpInfo] = {}
+_INFOS: dict[str, OpInfo] = {}
 
 
 def _no_dropout(target: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
@@ -71,11 +85,11 @@ def _no_dropout(target: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
     return False
 
 
-def _info(op: Any) -> _ops.OpInfo:
-    q = _ops.qualname_of(op)
+def _info(op: Any) -> OpInfo:
+    q = qualname_of(op)
     info = _INFOS.get(q)
     if info is None:
-        info = _INFOS[q] = _ops.classify(q, special=False)
+        info = _INFOS[q] = classify(q, special=False)
     return info
 
 
@@ -92,7 +106,7 @@ def _meta(node: torch.fx.Node, what: str) -> dict[str, Any]:
                            "use torch.compile(..., dynamic=False))")
     if val.layout != torch.strided:
         raise GraphRefused(f"{what} has layout {val.layout}")
-    return _signature.tensor_meta(val)
+    return tensor_meta(val)
 
 
 def _value(v: Any, where: str) -> Any:
@@ -104,8 +118,8 @@ def _value(v: Any, where: str) -> Any:
     if isinstance(v, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in v):
         raise GraphRefused(f"{where} holds values computed in the graph")
     try:
-        return _signature.encode_value(v)
-    except _signature.SignatureError as e:
+        return encode_value(v)
+    except SignatureError as e:
         raise GraphRefused(f"{where}: {e}") from None
 
 
@@ -130,7 +144,7 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
                 ext[p] = len(ext_order)
                 ext_order.append(p)
             if p < 0:  # a constant: described by the tensor itself (get_attr nodes may carry no fake value)
-                return ["e", ext[p]], _signature.tensor_meta(constants[-1 - p])
+                return ["e", ext[p]], tensor_meta(constants[-1 - p])
             return ["e", ext[p]], _meta(v, where)
         if v in produced:
             j, k = produced[v]
@@ -187,14 +201,14 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
             else:
                 v = sa.default_value if sa.has_default_value() else None
             where = f"{info.qualname} argument {a.name}"
-            if a.kind in (_ops.TENSOR, _ops.OPT_TENSOR) and isinstance(v, torch.fx.Node):
+            if a.kind in (TENSOR, OPT_TENSOR) and isinstance(v, torch.fx.Node):
                 w, d = wire(v, where)
                 wiring.append(w)
                 args.append([a.name, a.kind, d])
-            elif a.kind in (_ops.TENSORS, _ops.OPT_TENSORS) and isinstance(v, (list, tuple)):
+            elif a.kind in (TENSORS, OPT_TENSORS) and isinstance(v, (list, tuple)):
                 descs: list[Any] = []
                 for x in v:
-                    if x is None and a.kind == _ops.OPT_TENSORS:
+                    if x is None and a.kind == OPT_TENSORS:
                         descs.append(None)
                     elif isinstance(x, torch.fx.Node):
                         w, d = wire(x, where)
@@ -203,14 +217,14 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
                     else:
                         raise GraphRefused(f"{where} holds {type(x).__name__}")
                 args.append([a.name, a.kind, descs])
-            elif a.kind == _ops.OPT_TENSOR and v is None:
+            elif a.kind == OPT_TENSOR and v is None:
                 args.append([a.name, a.kind, None])
-            elif a.kind in (_ops.GENERATOR, _ops.OTHER):
+            elif a.kind in (GENERATOR, OTHER):
                 if v is not None:
                     raise GraphRefused(f"{where} is a {type(v).__name__}")
-                args.append([a.name, _ops.VALUE, None])
+                args.append([a.name, VALUE, None])
             else:  # Scalars, structural values, a number in a Tensor slot: specialised, keyed by value
-                args.append([a.name, _ops.VALUE, _value(v, where)])
+                args.append([a.name, VALUE, _value(v, where)])
         produced[node] = (len(nodes), 0)
         nodes.append({"sig": {"op": info.qualname, "schema": str(schema), "args": args}, "in": wiring})
         ops.append(info.qualname)

@@ -5,7 +5,61 @@ resolves them) and `compiler/` (which compiles them). The bottom of the runtime;
     _signature.py  a call's signature (canonical JSON) and its cache key (sha256 with the fingerprint)
     _shapes.py     shape classes: one executable for a family of shapes
 
-Nothing here is public API.
+What the other packages use is named here; nothing here is public API.
 """
 
-__all__: list[str] = []
+from ._ops import (
+    FACTORY_OUT,
+    GENERATOR,
+    LIST_KINDS,
+    OPT_TENSOR,
+    OPT_TENSORS,
+    OTHER,
+    SCALAR,
+    SCALARS,
+    TENSOR,
+    TENSOR_KINDS,
+    TENSORS,
+    VALUE,
+    OpInfo,
+    classify,
+    cpu_ops,
+    qualname_of,
+    resolve_op,
+    scalar_overload,
+    tensors_in,
+)
+from ._shapes import (
+    describe as describe_shapes,
+    example as class_example,
+    classes as shape_classes,
+    flat_class,
+    has_nodes,
+    is_class,
+    is_flat,
+    kind_of,
+    nodes_of,
+    other_instance,
+    policy_allows,
+    tensor_descs,
+)
+from ._signature import (
+    SignatureError,
+    build as build_signature,
+    cache_key,
+    canonical,
+    decode_dtype,
+    decode_value,
+    encode_value,
+    is_wrapped,
+    tensor_meta,
+)
+
+__all__ = [
+    "FACTORY_OUT", "GENERATOR", "LIST_KINDS", "OPT_TENSOR", "OPT_TENSORS", "OTHER", "SCALAR", "SCALARS", "TENSOR",
+    "TENSORS", "TENSOR_KINDS", "VALUE", "OpInfo", "SignatureError", "build_signature", "cache_key", "canonical",
+    "class_example", "classify", "cpu_ops", "decode_dtype", "decode_value", "describe_shapes", "encode_value",
+    "flat_class", "has_nodes", "is_class", "is_flat", "is_wrapped", "kind_of", "nodes_of", "other_instance",
+    "policy_allows", "qualname_of", "resolve_op", "scalar_overload", "shape_classes", "tensor_descs", "tensor_meta",
+    "tensors_in",
+]

@@ -27,6 +27,20 @@ SCALARS = "scalars"        # Scalar[]: types in the key, values at run time
 VALUE = "value"            # everything structural (ints, bools, dims, dtypes, strings): value in the key
 GENERATOR = "generator"
 OTHER = "other"            # Storage, Stream, ... never compiled
+LIST_KINDS = frozenset({TENSORS, OPT_TENSORS})                      # a list of tensors (Nones allowed in one)
+TENSOR_KINDS = frozenset({TENSOR, OPT_TENSOR, TENSORS, OPT_TENSORS})  # holds tensors: memory, not a key value
+
+
+def tensors_in(kind: str, value: Any) -> list[Any]:
+    """The tensors (or tensor descriptions) an argument of `kind` holds, in order, Nones left out: the one
+    switch on an argument's kind that the layers share."""
+    if kind == TENSOR:
+        return [value]
+    if kind == OPT_TENSOR or kind in LIST_KINDS:
+        if value is None:
+            return []
+        return [value] if kind == OPT_TENSOR else [v for v in value if v is not None]
+    return []
 
 # Float arguments that decide output shapes, so they must be keyed by value, not fed at run time.
 STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_d",
@@ -142,6 +156,17 @@ class OpInfo:
     n_returns: int = 0
     returns_list: bool = False    # returns a single Tensor[]
 
+    def call_args(self, values: Any) -> tuple[list[Any], dict[str, Any]]:
+        """`values` (one per schema argument, in order) as a call's positional and keyword-only arguments."""
+        args = [v for a, v in zip(self.args, values) if not a.kwarg_only]
+        kwargs = {a.name: v for a, v in zip(self.args, values) if a.kwarg_only}
+        return args, kwargs
+
+    def functional_values(self, values: Any) -> tuple[Any, ...]:
+        """`values` without those of the mutable keyword-only arguments (an out= op's outputs): the values
+        of its functional variant's arguments."""
+        return tuple(v for a, v in zip(self.args, values) if not (a.mutable and a.kwarg_only))
+
     @property
     def writes_lists(self) -> bool:
         """A mutating op that writes tensor lists, every mutated argument positional (`_foreach_mul_`,
@@ -186,7 +211,7 @@ def qualname_of(op: Any) -> str:
     return s.name + ("." + s.overload_name if s.overload_name else "")
 
 
-def _resolve(qualname: str) -> Any:
+def resolve_op(qualname: str) -> Any:
     base, _, overload = qualname[len("aten::"):].partition(".")
     return getattr(getattr(torch.ops.aten, base), overload or "default")
 
@@ -249,7 +274,7 @@ def _returns(schema: Any) -> tuple[int, bool, bool]:
 def classify(qualname: str, special: bool = True) -> OpInfo:
     """How `qualname` runs on neuron. `special=False`: as if it had no kernel of its own (for the kernels
     in `_decomp.py` that wrap the generic one)."""
-    op = _resolve(qualname)
+    op = resolve_op(qualname)
     schema = op._schema
     args = [
         Arg(a.name, _arg_kind(a), a.kwarg_only, a.default_value if a.has_default_value() else None,

@@ -47,6 +47,27 @@ def is_class(sig: dict[str, Any]) -> bool:
     return "shapes" in sig
 
 
+def kind_of(sig: dict[str, Any]) -> str:
+    """What a signature is: `graph` (a torch.compile graph), `fused` (a fused group), `class` (a shape
+    class's generic executable) or `op` (one op, exact shapes). Decided here alone, by the op's prefix."""
+    op = str(sig.get("op", ""))
+    if op.startswith("graph:"):
+        return "graph"
+    if op.startswith("fused:"):
+        return "fused"
+    return "class" if is_class(sig) else "op"
+
+
+def has_nodes(sig: dict[str, Any]) -> bool:
+    """A signature made of op signatures (a graph or a fused group, or a class of one): see `nodes_of`."""
+    return "graph" in sig
+
+
+def nodes_of(sig: dict[str, Any]) -> list[dict[str, Any]]:
+    """The op signatures inside `sig`: a graph's or fused group's nodes, else `sig` itself."""
+    return [n["sig"] for n in sig["graph"]] if has_nodes(sig) else [sig]
+
+
 def _is_tensor(d: Any) -> bool:
     return isinstance(d, dict) and "dtype" in d and "sizes" in d
 
@@ -54,10 +75,10 @@ def _is_tensor(d: Any) -> bool:
 @functools.lru_cache(maxsize=None)
 def _size_args(qualname: str) -> frozenset[str]:
     """Names of the op's arguments the schema types as sizes (SymInt, SymInt[], SymInt?)."""
-    from ._ops import _resolve
+    from ._ops import resolve_op
 
     try:
-        op = _resolve(qualname)
+        op = resolve_op(qualname)
     except Exception:  # noqa: BLE001 - an op we cannot look up: no size arguments known
         return frozenset()
     # The Python types of the schema say `int` for SymInt; its text keeps the distinction.
@@ -74,15 +95,10 @@ def _ints(v: Any, out: set[int]) -> None:
             _ints(x, out)
 
 
-def _ops_of(sig: dict[str, Any]) -> list[dict[str, Any]]:
-    """The op signatures inside `sig`: itself, or a fused group's nodes."""
-    return [n["sig"] for n in sig["graph"]] if "graph" in sig else [sig]
-
-
-def _tensors(sig: dict[str, Any]) -> list[dict[str, Any]]:
+def tensor_descs(sig: dict[str, Any]) -> list[dict[str, Any]]:
     """Every tensor description of `sig`, in a fixed order (args, then a fused group's nodes')."""
     out: list[dict[str, Any]] = []
-    for op in _ops_of(sig):
+    for op in nodes_of(sig):
         for _, _, desc in op["args"]:
             for d in desc if isinstance(desc, list) else [desc]:
                 if _is_tensor(d):
@@ -92,7 +108,7 @@ def _tensors(sig: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _static_sizes(sig: dict[str, Any]) -> set[int]:
     fixed: set[int] = set()
-    for op in _ops_of(sig):
+    for op in nodes_of(sig):
         names = _size_args(op["op"])
         for name, kind, desc in op["args"]:
             if kind == "value" and name in names:
@@ -181,15 +197,15 @@ def ranked_class(sig: dict[str, Any]) -> dict[str, Any] | None:
 
 def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
     gaps: set[int] = set()
-    for d in _tensors(sig):
+    for d in tensor_descs(sig):
         gaps |= _inside_gaps(list(d["sizes"]), list(d["strides"]))
     # Positions (tensor, dim) that may be symbolic: sizes 0 and 1 and sizes inside a slice's row stay.
-    positions = [(t, i) for t, d in enumerate(_tensors(sig)) for i, n in enumerate(d["sizes"])
+    positions = [(t, i) for t, d in enumerate(tensor_descs(sig)) for i, n in enumerate(d["sizes"])
                  if n >= 2 and n not in gaps]
-    groups = _needed(sig, positions) if "graph" not in sig else None
+    groups = _needed(sig, positions) if not has_nodes(sig) else None
     if groups is None:  # the older rule: equal sizes share a symbol; sizes equal to size arguments stay
         fixed = _static_sizes(sig)
-        tensors = _tensors(sig)
+        tensors = tensor_descs(sig)
         by_value: dict[int, list[tuple[int, int]]] = {}
         for p in positions:
             if tensors[p[0]]["sizes"][p[1]] not in fixed:
@@ -199,7 +215,7 @@ def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
     if not symbol_of:
         return None
     cls = _copy({k: v for k, v in sig.items() if k != "example"})
-    for t, d in enumerate(_tensors(cls)):
+    for t, d in enumerate(tensor_descs(cls)):
         values = list(d["sizes"])
         sizes: list[Any] = [symbol_of.get((t, i), n) for i, n in enumerate(values)]
         d["sizes"] = sizes
@@ -234,12 +250,12 @@ def _needed(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[
     found = _NEEDED_CACHE.get(exact, _UNKNOWN)  # one lookup: another thread may clear the dict meanwhile
     if found is not _UNKNOWN:
         return None if found is None else [[positions[k] for k in g] for g in found]  # type: ignore[union-attr]
-    tensors = _tensors(sig)
+    tensors = tensor_descs(sig)
     value = [tensors[t]["sizes"][i] for t, i in positions]
     split = _copy(sig)
     for k, (t, i) in enumerate(positions):
-        _tensors(split)[t]["sizes"][i] = f"p{k}"
-    for t, d in enumerate(_tensors(split)):
+        tensor_descs(split)[t]["sizes"][i] = f"p{k}"
+    for t, d in enumerate(tensor_descs(split)):
         d["strides"] = _stride_exprs(d["sizes"], tensors[t]["sizes"], list(tensors[t]["strides"]))
     partition = sorted(sorted(k for k, v in enumerate(value) if v == x) for x in set(value))
     ckey = json.dumps([split, partition], sort_keys=True, default=str)
@@ -265,7 +281,7 @@ def _broadcast_groups(sig: dict[str, Any], positions: list[tuple[int, int]]) -> 
         return None
     from ._ops import OPT_TENSOR, OPT_TENSORS, TENSOR, TENSORS
 
-    # Each tensor's (list element index or None, rank), in `_tensors` order.
+    # Each tensor's (list element index or None, rank), in `tensor_descs` order.
     where: list[tuple[int | None, int]] = []
     for _, kind, desc in sig["args"]:
         if kind in (TENSOR, OPT_TENSOR) and _is_tensor(desc):
@@ -274,7 +290,7 @@ def _broadcast_groups(sig: dict[str, Any], positions: list[tuple[int, int]]) -> 
             if not foreach:
                 return None
             where.extend((i, len(d["sizes"])) for i, d in enumerate(desc) if _is_tensor(d))
-    if len(where) != len(_tensors(sig)):
+    if len(where) != len(tensor_descs(sig)):
         return None
     parent = {p: p for p in positions}
 
@@ -306,10 +322,10 @@ def _broadcast_groups(sig: dict[str, Any], positions: list[tuple[int, int]]) -> 
 
 
 def _probe_groups(split: dict[str, Any], value: list[int], partition: list[list[int]]) -> list[list[int]] | None:
-    from ._ops import _resolve
+    from ._ops import resolve_op
 
     try:
-        op = _resolve(str(split["op"]))
+        op = resolve_op(str(split["op"]))
     except Exception:  # noqa: BLE001 - an op we cannot look up: the older rule
         return None
     base = {f"p{k}": v for k, v in enumerate(value)}
@@ -424,10 +440,10 @@ def elementwise(qualname: str) -> bool:
     2.13)."""
     if qualname in FLAT_OPS:
         return True
-    from ._ops import _resolve
+    from ._ops import resolve_op
 
     try:
-        op = _resolve(qualname)
+        op = resolve_op(qualname)
     except Exception:  # noqa: BLE001 - an op we cannot look up: not known to be elementwise
         return False
     import torch
@@ -452,7 +468,7 @@ def flat_layout(sig: dict[str, Any]) -> tuple[list[int], list[int]] | None:
     broadcasting), dense, at least 2 elements (0 and 1 stay static as in rule 1); a `memory_format`
     argument, if any, None or `preserve_format` (else the output's layout is not the input's). Numbers in
     tensor slots (`x * 2`) are not tensors here."""
-    ops = _ops_of(sig)
+    ops = nodes_of(sig)
     if not all(elementwise(str(op.get("op", ""))) for op in ops):
         return None
     from ._ops import OPT_TENSOR, TENSOR, TENSORS, OPT_TENSORS, VALUE
@@ -477,7 +493,7 @@ def flat_layout(sig: dict[str, Any]) -> tuple[list[int], list[int]] | None:
 def flatten(sig: dict[str, Any]) -> dict[str, Any]:
     """`sig` with every tensor a 1-D contiguous tensor of its number of elements (`flat_layout` applies)."""
     out = _copy({k: v for k, v in sig.items() if k != "example"})
-    for d in _tensors(out):
+    for d in tensor_descs(out):
         d["sizes"], d["strides"] = [math.prod(d["sizes"])], [1]
     return out
 
@@ -507,7 +523,7 @@ def example(cls: dict[str, Any]) -> dict[str, Any]:
 def symbols(cls: dict[str, Any]) -> dict[str, int]:
     """Each symbol of a class and its value in the class's example."""
     env: dict[str, int] = {}
-    for c, e in zip(_tensors(cls), _tensors(example(cls))):
+    for c, e in zip(tensor_descs(cls), tensor_descs(example(cls))):
         for s, n in zip(c["sizes"], e["sizes"]):
             if isinstance(s, str):
                 env[s] = n
@@ -518,7 +534,7 @@ def instance(cls: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
     """The exact signature of the class for symbol values `env` (a size-1 dim gets a contiguous stride);
     for a flat class, the flat (1-D) signature its kernel is called with."""
     sig = _copy({k: v for k, v in cls.items() if k not in ("shapes", "example", "flat")})
-    for d in _tensors(sig):
+    for d in tensor_descs(sig):
         sizes = [env[s] if isinstance(s, str) else s for s in d["sizes"]]
         strides = [_evaluate(e, env, 1) for e in d["strides"]]
         d["sizes"], d["strides"] = sizes, strides
@@ -543,7 +559,7 @@ def other_instance(cls: dict[str, Any]) -> dict[str, Any]:
 
 def describe(sig: dict[str, Any]) -> str:
     """The shapes of a signature's tensors, e.g. `[s0,s1,32] [32]` (for `neuron-cache ls/explain`)."""
-    return " ".join("[" + ",".join(str(n) for n in d["sizes"]) + "]" for d in _tensors(sig))
+    return " ".join("[" + ",".join(str(n) for n in d["sizes"]) + "]" for d in tensor_descs(sig))
 
 
 def policy_allows(policy: str, sig: dict[str, Any]) -> bool:

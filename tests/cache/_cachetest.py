@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from neuron_runtime import envelope
+from neuron_runtime.cache import envelope
 from neuron_runtime._config import Config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -136,7 +136,7 @@ def test_the_cache_layer_is_torch_free() -> None:
     code = (
         "import sys, types; p = types.ModuleType('neuron_runtime'); p.__path__ = ['neuron_runtime'];"
         "sys.modules['neuron_runtime'] = p;"
-        "import neuron_runtime.envelope, neuron_runtime.cache, neuron_runtime.cache._tiered;"
+        "import neuron_runtime.cache.envelope, neuron_runtime.cache, neuron_runtime.cache._tiered;"
         "import neuron_runtime.cache._registry, neuron_runtime.cache._fsstore, neuron_runtime.cache._local;"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
@@ -146,7 +146,7 @@ def test_the_cache_layer_is_torch_free() -> None:
 _WRITER = """
 import sys, types
 p = types.ModuleType('neuron_runtime'); p.__path__ = ['neuron_runtime']; sys.modules['neuron_runtime'] = p
-from neuron_runtime import envelope
+from neuron_runtime.cache import envelope
 from neuron_runtime.cache import LocalCache, SharedPathStore
 kind, where, key = sys.argv[1:4]
 store = SharedPathStore(where) if kind == 'path' else LocalCache(where, 1 << 34)
@@ -159,7 +159,7 @@ print('done', flush=True)
 
 @pytest.mark.parametrize("kind", ["path", "local"])
 def test_a_writer_killed_mid_write_leaves_nothing_that_loads(kind: str, tmp_path: Path) -> None:
-    from neuron_runtime import envelope
+    from neuron_runtime.cache import envelope
     from neuron_runtime.cache import LocalCache, SharedPathStore
 
     where = str(tmp_path / kind)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from _cachetest import key_of, make_cfg, make_entry  # type: ignore[import-not-found]
 
-from neuron_runtime import envelope
+from neuron_runtime.cache import envelope
 from neuron_runtime.cache import (
     CacheBackend,
     CacheMissError,

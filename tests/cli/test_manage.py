@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from neuron_runtime import envelope
+from neuron_runtime.cache import envelope
 from neuron_runtime.cache import LocalCache, SharedPathStore
 from neuron_runtime.cli import main
 from neuron_runtime.compiler import get_compiler
@@ -161,7 +161,7 @@ def test_verify_with_a_signing_key_refuses_unsigned_entries(tmp_path: Path, caps
 
 READER = textwrap.dedent("""
     import json, os, sys, time
-    from neuron_runtime import envelope
+    from neuron_runtime.cache import envelope
     from neuron_runtime.cache import IntegrityError, LocalCache, SharedPathStore
     local_dir, fleet_dir, keys_file, stop, ready = sys.argv[1:6]
     keys = json.load(open(keys_file))

@@ -83,7 +83,7 @@ def test_graph_entry_is_an_aoti_package(graph_run: dict[str, Any]) -> None:
     import zipfile
 
     from neuron_runtime.cache import LocalCache
-    from neuron_runtime.envelope import unpack
+    from neuron_runtime.cache.envelope import unpack
 
     local = LocalCache(str(graph_run["local"]), 1 << 30)
     graphs = []

@@ -13,7 +13,7 @@ import neuron_runtime
 from neuron_runtime.aten import _dispatch, _kernels
 from neuron_runtime.compiler import CompileRefused
 from neuron_runtime.compiler._reference import ReferenceCompiler
-from neuron_runtime.signatures import _signature
+from neuron_runtime.signatures import _signature, classify
 from rt_helpers import DEV, assert_same, run_python
 
 
@@ -108,7 +108,7 @@ def test_scalars_are_keyed_by_type_structure_by_value(fresh_runtime: _dispatch.R
 
 
 def test_signature_json_is_canonical_and_typed() -> None:
-    info = _kernels._ops.classify("aten::add.Tensor")
+    info = classify("aten::add.Tensor")
     a = torch.ones(2, 3)
     sig = _signature.build(info, (a, a.t().contiguous().t(), 1.0))
     assert sig["op"] == "aten::add.Tensor"
@@ -278,7 +278,7 @@ def test_refusal_by_another_runtime_version_is_asked_again(monkeypatch: pytest.M
         rt.set_compiler(LearnedCompiler({"aten::atan2"}))
         assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))  # same version: still refused
         assert neuron_runtime.stats()["compiles"] == 0 and "aten::atan2" in neuron_runtime.fallback_ops()
-        monkeypatch.setattr(neuron_runtime, "__version__", "0.0.0-older")
+        monkeypatch.setattr(neuron_runtime._version, "__version__", "0.0.0-older")
         rt = _dispatch.reset_runtime()
         rt.set_compiler(LearnedCompiler({"aten::atan2"}))
         assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))

@@ -16,10 +16,10 @@ import torch
 from torch.compiler._cache import CacheArtifactManager
 
 import neuron_runtime
-from neuron_runtime import envelope
+from neuron_runtime.cache import envelope
 from neuron_runtime.aten import _dispatch
 from neuron_runtime.executables import _megacache
-from neuron_runtime.signatures import _ops, _signature
+from neuron_runtime.signatures import _ops, _signature, kind_of
 
 from rt_helpers import DEV, run_python
 
@@ -46,13 +46,13 @@ s = neuron_runtime.stats()
 out = {"losses": losses, "graph": graph, "compiles": s["compiles"], "by_kind": s["compiles_by_kind"],
        "loads": s["loads"], "graphs": s["graphs"], "megacache": s["megacache"], "fallback_ops": s["fallback_ops"]}
 if mode == "save":
-    from neuron_runtime import _profiling
+    from neuron_runtime.signatures import kind_of
     from neuron_runtime.aten import _dispatch
     data, info = torch.compiler.save_cache_artifacts()
     open(bundle, "wb").write(data)
     out["artifacts"] = {k: len(v) for k, v in info.artifacts.items()}
     local = _dispatch.runtime().cache
-    out["bundle_kinds"] = sorted({_profiling.kind_of(local.get_local(k).header["signature"])
+    out["bundle_kinds"] = sorted({kind_of(local.get_local(k).header["signature"])
                                   for k in info.neuron_neff_artifacts})
 print(json.dumps(out))
 """

@@ -15,7 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import neuron_runtime
-from neuron_runtime import _config, _profiling, envelope
+from neuron_runtime import _config, _profiling
+from neuron_runtime.cache import envelope
 from neuron_runtime._native import _hostmem
 from neuron_runtime.aten import _dispatch
 from neuron_runtime.cache import LocalCache, TieredCache

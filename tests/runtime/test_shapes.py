@@ -36,7 +36,7 @@ def ranked_of(op: str, *values: object) -> dict:  # type: ignore[type-arg]
 
 
 def tensors(cls: dict) -> list[tuple[list, list]]:  # type: ignore[type-arg]
-    return [(d["sizes"], d["strides"]) for d in _shapes._tensors(cls)]
+    return [(d["sizes"], d["strides"]) for d in _shapes.tensor_descs(cls)]
 
 
 # -- the rules --------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from test_server import add_signature, start_service
 
-from neuron_runtime import _config, envelope
+from neuron_runtime import _config
+
+from neuron_runtime.cache import envelope
 from neuron_runtime.cache import TieredCache
 from neuron_runtime.cache._memory import MemoryStore
 from neuron_runtime.compiler import get_compiler

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_background import job_env, run_job, sync_losses
 
-from neuron_runtime import envelope
+from neuron_runtime.cache import envelope
 from neuron_runtime.cache import SharedPathStore
 from neuron_runtime.compiler import get_compiler
 from neuron_runtime.executables import _manifest

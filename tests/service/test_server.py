@@ -272,7 +272,8 @@ def test_a_worker_killed_mid_batch_costs_no_key(tmp_path: Path) -> None:
     """Four signatures queued while the one worker starts go out as one batch; the worker is killed while
     it compiles the batch's second: a fresh worker compiles each unanswered one again, alone, and every
     key ends compiled with a whole entry in the local tier."""
-    from neuron_runtime import _config, envelope
+    from neuron_runtime import _config
+    from neuron_runtime.cache import envelope
 
     pids = tmp_path / "workers.txt"
     with start_service(tmp_path, "--batch", "4", NEURON_TEST_COMPILE_DELAY="*=0.5",

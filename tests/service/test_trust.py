@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from test_background import alive, job_env, run_job, worker_pids
 
-from neuron_runtime import envelope
+from neuron_runtime.cache import envelope
 from neuron_runtime.cache import SharedPathStore
 from neuron_runtime.compiler import get_compiler
 from neuron_runtime.executables import _manifest

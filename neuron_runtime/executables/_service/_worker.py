@@ -138,7 +138,7 @@ class _Worker:
     def run(self, tasks: list[dict[str, Any]]) -> None:
         from neuron_runtime.compiler import CompileRefused
         from neuron_runtime.executables import _checks, _entries
-        from neuron_runtime.signatures import _signature
+        from neuron_runtime.signatures import cache_key
 
         t0 = time.perf_counter()
         # Per task: its candidates and keys, the candidate it is at, its answer so far.
@@ -151,7 +151,7 @@ class _Worker:
                     raise ValueError("a task needs 'signatures': a non-empty list (or one 'signature')")
                 for sig in sigs:
                     _checks.check_bounds(sig)  # before anything allocates examples of its sizes
-                keys = [_signature.cache_key(sig, self.fp) for sig in sigs]
+                keys = [cache_key(sig, self.fp) for sig in sigs]
                 answer["key"] = keys[0]
                 if task.get("key") not in (None, keys[0]):
                     raise ValueError(f"the parent keys this signature {task['key']}, this worker {keys[0]}: the "
