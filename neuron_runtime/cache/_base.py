@@ -11,6 +11,11 @@ Failure rules (every backend, every method):
     envelope and calls `delete` (or `quarantine`) on a bad entry. That failure is loud and counted.
   * `put` is first-writer-wins and atomic: a reader sees either no entry or a whole one, never a torn one.
     Writing a key that exists is a no-op that returns True.
+  * `put`'s opening checks are the contract's, the same for every backend, and run once in
+    `CacheBackend.put` before the backend's own `_put`: a key that is not 64 lowercase hex characters
+    raises `InvalidKeyError` and a value that is not bytes-like raises `TypeError` (misuse: loud, nothing
+    stored); a value over the store's `max_entry` (None: no cap) is a skipped write (False), counted in
+    the store's `faults` as `too_large` with one warning naming `?max_entry=`. `_put` gets exact `bytes`.
 
 Concurrency: every method may be called from several threads at once, and several processes (or hosts,
 for fleet stores) may share the same store.
@@ -23,6 +28,8 @@ import re
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from neuron_runtime.cache._faults import FaultCounter
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -88,14 +95,37 @@ class CacheBackend(abc.ABC):
     #: False where the store cannot enumerate its entries (an HTTP cache): `entries()` is then empty and
     #: the CLI says so instead of reporting an empty tier.
     lists_entries: bool = True
+    #: the largest value `put` sends, in bytes (None: no cap of the store's own); see the module docstring.
+    max_entry: int | None = None
+    #: what the `too_large` warning adds after naming `?max_entry=` (a store's own limit behind the cap).
+    max_entry_note: str = ""
+    #: counts the store's faults by kind, warning once per kind (`put` records `too_large` here).
+    faults: FaultCounter
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
         """The stored bytes, or None on a miss or any backend problem."""
 
-    @abc.abstractmethod
     def put(self, key: str, data: bytes) -> bool:
-        """Store atomically, first writer wins. True if the key is now present, False if skipped."""
+        """Store atomically, first writer wins. True if the key is now present, False if skipped.
+
+        Runs the contract's opening checks (module docstring), then the backend's `_put`."""
+        check_key(key)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"cache values are bytes, not {type(data).__name__}")
+        blob = bytes(data)
+        if self.max_entry is not None and len(blob) > self.max_entry:
+            self.faults.record("too_large", "put",
+                               f"entry {key} is {len(blob)} bytes, over this store's per-entry cap of "
+                               f"{self.max_entry} bytes; raise it with ?max_entry={self.max_entry_note}")
+            return False
+        return self._put(key, blob)
+
+    def _put(self, key: str, data: bytes) -> bool:
+        """The backend's own write of `put`, after its checks: `key` is valid and `data` is exact `bytes`
+        within `max_entry`. Same return and failure rules as `put`. (Not abstract, so that a backend
+        written before `_put` existed, which overrides `put` itself, still works.)"""
+        raise NotImplementedError(f"{type(self).__name__} implements neither _put nor put")
 
     def contains_many(self, keys: Iterable[str]) -> set[str]:
         """The subset of `keys` present (one round trip where the backend can batch)."""

@@ -169,11 +169,11 @@ class SharedPathStore(FleetStore):
 
         return self._guard("get", None, read)
 
-    def put(self, key: str, data: bytes) -> bool:
+    def _put(self, key: str, data: bytes) -> bool:
         path = self._path(key)
-        return self._guard("put", False, lambda: self._put(path, bytes(data)))
+        return self._guard("put", False, lambda: self._publish(path, data))
 
-    def _put(self, path: str, data: bytes) -> bool:
+    def _publish(self, path: str, data: bytes) -> bool:
         if os.path.exists(path):
             return True
         directory = os.path.dirname(path)
@@ -473,7 +473,7 @@ class S3Store(FleetStore):
             data: bytes = await body.read()
         return data, str(resp.get("ETag", ""))
 
-    async def _put(self, key: str, data: bytes, **cond: str) -> bool:
+    async def _put_object(self, key: str, data: bytes, **cond: str) -> bool:
         """True if written, False if the precondition failed (exists / changed)."""
         try:
             await self.fs._call_s3("put_object", Bucket=self.bucket, Key=key, Body=data, **cond)
@@ -494,10 +494,10 @@ class S3Store(FleetStore):
 
         return self._guard("get", None, read)
 
-    def put(self, key: str, data: bytes) -> bool:
-        k = self._key(self.relpath(check_key(key)))
+    def _put(self, key: str, data: bytes) -> bool:
+        k = self._key(self.relpath(key))
         # Create-only: a 412 means the key exists (another host won), which is success for a cache.
-        return self._guard("put", False, lambda: self._call(self._put, k, bytes(data), IfNoneMatch="*") or True)
+        return self._guard("put", False, lambda: self._call(self._put_object, k, data, IfNoneMatch="*") or True)
 
     def contains_many(self, keys: Iterable[str]) -> set[str]:
         wanted = {k: self._key(self.relpath(check_key(k))) for k in keys}
@@ -584,18 +584,18 @@ class S3Store(FleetStore):
 
     async def _try_lease(self, k: str, ttl_s: float) -> Lease | None:
         body, nonce = _lease_body(ttl_s)
-        if await self._put(k, body, IfNoneMatch="*"):
+        if await self._put_object(k, body, IfNoneMatch="*"):
             return _S3Lease(self, k, nonce)
         seen = await self._read(k)
         if seen is None:  # released meanwhile
-            return _S3Lease(self, k, nonce) if await self._put(k, body, IfNoneMatch="*") else None
+            return _S3Lease(self, k, nonce) if await self._put_object(k, body, IfNoneMatch="*") else None
         raw, etag = seen
         old = _parse_lease(raw)
         if not _stale(old):
             return None
         # Take over a stale lease only if it is still the object we read: If-Match makes exactly one
         # of several hosts succeed.
-        if await self._put(k, body, IfMatch=etag):
+        if await self._put_object(k, body, IfMatch=etag):
             log.debug("took over stale lease %s (held by %s)", k, old.get("holder") if old else "?")
             return _S3Lease(self, k, nonce)
         return None

@@ -184,13 +184,9 @@ class GrpcBackend(CacheBackend):
         check_key(key)
         return self._guard("get", lambda c, t: c.get(key, timeout=t), None)
 
-    def put(self, key: str, data: bytes) -> bool:
-        check_key(key)
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"cache values are bytes, not {type(data).__name__}")
-        blob = bytes(data)
+    def _put(self, key: str, data: bytes) -> bool:
         # Created or already present: either way the key is now in the store.
-        return self._guard("put", lambda c, t: (c.put(key, blob, timeout=t), True)[1], False)
+        return self._guard("put", lambda c, t: (c.put(key, data, timeout=t), True)[1], False)
 
     def contains_many(self, keys: Iterable[str]) -> set[str]:
         wanted = check_keys(list(dict.fromkeys(keys)))

@@ -83,6 +83,7 @@ class HttpStore(FleetStore):
     """`http(s)://`, bazel-remote's HTTP cache API: see the module docstring."""
 
     lists_entries = False
+    max_entry: int
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 10.0) -> None:
         import urllib3
@@ -243,16 +244,9 @@ class HttpStore(FleetStore):
         out.update((k, d) for k, d in zip(rest, self._map(self.get, rest)) if d is not None)
         return out
 
-    def put(self, key: str, data: bytes) -> bool:
+    def _put(self, key: str, data: bytes) -> bool:
         ac = self._ac(key)
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"cache values are bytes, not {type(data).__name__}")
-        blob = bytes(data)
-        if len(blob) > self.max_entry:
-            self.faults.record("too_large", "put", f"entry {key} is {len(blob)} bytes, over this store's per-entry "
-                                                   f"cap of {self.max_entry} bytes (?max_entry=)")
-            return False
-        digest = hashlib.sha256(blob).hexdigest()
+        digest = hashlib.sha256(data).hexdigest()
 
         def write() -> bool:
             # 1. First writer wins: keep a live record whose blob is still there.
@@ -261,8 +255,8 @@ class HttpStore(FleetStore):
                 return True
             # 2. The blob before the record, so a record never names a missing blob (until eviction).
             if self._request("HEAD", self._cas(digest))[0] == 404:
-                self._request("PUT", self._cas(digest), blob)
-            self._request("PUT", ac, make_record(key, digest, len(blob)))
+                self._request("PUT", self._cas(digest), data)
+            self._request("PUT", ac, make_record(key, digest, len(data)))
             return True
 
         return self._guard("put", False, write)

@@ -205,10 +205,8 @@ class LocalCache(CacheBackend):
             return None
         return value if isinstance(value, bytes) else None
 
-    def put(self, key: str, data: bytes) -> bool:
-        check_key(key)
-        # diskcache pickles anything that is not exactly `bytes` (bytearray, memoryview, ...).
-        data = bytes(data)
+    def _put(self, key: str, data: bytes) -> bool:
+        # `put` hands over exact `bytes`: diskcache would pickle anything else (bytearray, memoryview, ...).
         db = self._db("put")
         if db is None:
             return False

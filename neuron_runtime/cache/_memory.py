@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 from neuron_runtime.cache._base import CacheBackend, EntryInfo, Lease, check_key
+from neuron_runtime.cache._faults import FaultCounter
 
 
 class MemoryStore(CacheBackend):
@@ -17,6 +18,7 @@ class MemoryStore(CacheBackend):
 
     def __init__(self, url: str = "memory://") -> None:
         self.url = url
+        self.faults = FaultCounter(self.tier, url)  # nothing fails in a dict; `put`'s `max_entry` counts here
         self._data: dict[str, tuple[bytes, float]] = {}
         self._leases: dict[str, tuple[object, float]] = {}
         self._lock = threading.Lock()
@@ -27,10 +29,9 @@ class MemoryStore(CacheBackend):
             item = self._data.get(key)
         return None if item is None else item[0]
 
-    def put(self, key: str, data: bytes) -> bool:
-        check_key(key)
+    def _put(self, key: str, data: bytes) -> bool:
         with self._lock:
-            self._data.setdefault(key, (bytes(data), time.time()))
+            self._data.setdefault(key, (data, time.time()))
         return True
 
     def delete(self, key: str) -> bool:

@@ -66,6 +66,9 @@ _QUARANTINE = ("local v = redis.call('get', KEYS[1]) "
 class RedisStore(FleetStore):
     """`redis://` / `rediss://`: see the module docstring for the URL, layout and guarantees."""
 
+    max_entry: int
+    max_entry_note = " (Redis itself refuses values over its proto-max-bulk-len, 512 MiB by default)"
+
     def __init__(self, url: str, *, password: str | None = None, timeout_s: float = 10.0) -> None:
         import redis
         from redis.backoff import NoBackoff
@@ -170,19 +173,10 @@ class RedisStore(FleetStore):
         found: dict[str, bytes] = self._guard("get_many", {}, read)
         return found
 
-    def put(self, key: str, data: bytes) -> bool:
+    def _put(self, key: str, data: bytes) -> bool:
         k = self._k(key)
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"cache values are bytes, not {type(data).__name__}")
-        blob = bytes(data)
-        if len(blob) > self.max_entry:
-            self.faults.record("too_large", "put",
-                               f"entry {key} is {len(blob)} bytes, over this store's per-entry cap of {self.max_entry} "
-                               "bytes; raise it with ?max_entry= (Redis itself refuses values over its "
-                               "proto-max-bulk-len, 512 MiB by default)")
-            return False
         # SET NX: created, or None when the key exists (another host won): either way the key is stored.
-        return self._guard("put", False, lambda: (self.client.set(k, blob, nx=True, px=self.ttl_ms), True)[1])
+        return self._guard("put", False, lambda: (self.client.set(k, data, nx=True, px=self.ttl_ms), True)[1])
 
     def contains_many(self, keys: Iterable[str]) -> set[str]:
         wanted = check_keys(list(dict.fromkeys(keys)))

@@ -31,6 +31,21 @@ from neuron_runtime.cache import (
 BAD_KEYS = ["", "A" * 64, "a" * 63, "a" * 65, "../" + "a" * 61, "a" * 32 + "/" + "a" * 31, "g" * 64, None, 7]
 
 
+def check_cap(store: CacheBackend) -> str:
+    """`put` on a store whose `max_entry` is 1024: bigger values are skipped writes, counted as
+    `too_large` with one warning naming the option; a value at the cap is stored. Returns the warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert store.put(key_of("big"), b"x" * 1025) is False
+        assert store.put(key_of("big2"), b"x" * 4096) is False
+        assert store.put(key_of("small"), b"x" * 1024) is True
+    shown = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    assert len(shown) == 1 and "max_entry" in shown[0] and "1024" in shown[0], shown
+    assert store.faults.counts == {"too_large": 2}
+    assert store.get(key_of("big")) is None and store.get(key_of("small")) == b"x" * 1024
+    return shown[0]
+
+
 class BackendContract:
     """The contract; subclasses provide the `backend` and `broken` fixtures."""
 
@@ -68,6 +83,18 @@ class BackendContract:
         assert backend.put(k, bytearray(b"abc"))  # type: ignore[arg-type]
         got = backend.get(k)
         assert type(got) is bytes and got == b"abc"
+
+    def test_values_that_are_not_bytes_are_refused(self, backend: CacheBackend) -> None:
+        k = key_of("not bytes")
+        for bad in ("text", 7, None, [1, 2]):
+            with pytest.raises(TypeError, match="cache values are bytes"):
+                backend.put(k, bad)  # type: ignore[arg-type]
+        assert backend.get(k) is None
+
+    def test_entry_over_max_entry_is_a_counted_skipped_write(self, backend: CacheBackend) -> None:
+        # The contract's rule for every store; a store sets its cap from `?max_entry=` (or not at all).
+        backend.max_entry = 1024
+        check_cap(backend)
 
     def test_contains_many(self, backend: CacheBackend) -> None:
         present = [key_of(f"c{i}") for i in range(5)]
@@ -329,15 +356,8 @@ class TestRedisStore(BackendContract):
 
     def test_entry_over_the_cap_is_refused_with_one_clear_warning(self, redis_server: Any) -> None:
         store = RedisStore(redis_server.url(prefix=f"cap{uuid.uuid4().hex[:6]}:", max_entry="1KiB"), timeout_s=5)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert store.put(key_of("big"), b"x" * 2048) is False
-            assert store.put(key_of("big2"), b"x" * 4096) is False
-            assert store.put(key_of("small"), b"x" * 1024) is True
-        shown = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
-        assert len(shown) == 1 and "max_entry" in shown[0] and "1024" in shown[0], shown
-        assert store.faults.counts == {"too_large": 2}
-        assert store.get(key_of("big")) is None
+        assert store.max_entry == 1024
+        assert "proto-max-bulk-len" in check_cap(store)  # the warning names Redis's own limit too
 
     def test_acl_user_is_confined_to_its_prefix(self, redis_server: Any) -> None:
         ok = RedisStore(f"redis://neff:neff-pw@127.0.0.1:{redis_server.port}?prefix=neff:acl:", timeout_s=5)
