@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from neuron_runtime.cache import _urls
 from neuron_runtime.cache._base import EntryInfo, check_key, check_keys
-from neuron_runtime.cache._fsstore import LAYOUT_VERSION, FleetStore
+from neuron_runtime.cache._fleet import LAYOUT_VERSION, FleetStore
 
 if TYPE_CHECKING:
     from neuron_runtime._config import Config

@@ -40,7 +40,7 @@ def _need(module: str, scheme: str) -> None:
 
 
 def _open_path(url: str, cfg: Config) -> CacheBackend:
-    from neuron_runtime.cache._fsstore import SharedPathStore
+    from neuron_runtime.cache._pathstore import SharedPathStore
 
     if url.startswith("file://"):
         parts = urlsplit(url)
@@ -54,7 +54,7 @@ def _open_path(url: str, cfg: Config) -> CacheBackend:
 
 def _open_s3(url: str, cfg: Config) -> CacheBackend:
     _need("s3fs", "s3")
-    from neuron_runtime.cache._fsstore import S3Store
+    from neuron_runtime.cache._s3 import S3Store
 
     try:
         return S3Store(url, timeout_s=cfg.fleet_timeout_s)

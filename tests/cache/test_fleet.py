@@ -137,7 +137,7 @@ def test_the_cache_layer_is_torch_free() -> None:
         "import sys, types; p = types.ModuleType('neuron_runtime'); p.__path__ = ['neuron_runtime'];"
         "sys.modules['neuron_runtime'] = p;"
         "import neuron_runtime.cache.envelope, neuron_runtime.cache, neuron_runtime.cache._tiered;"
-        "import neuron_runtime.cache._registry, neuron_runtime.cache._fsstore, neuron_runtime.cache._local;"
+        "import neuron_runtime.cache._registry, neuron_runtime.cache._pathstore, neuron_runtime.cache._s3, neuron_runtime.cache._local;"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(REPO), env=worker_env())
