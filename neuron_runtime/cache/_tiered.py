@@ -188,25 +188,25 @@ class TieredCache:
             return entry, data, name
         return None
 
+    def _find(self, key: str) -> tuple[envelope.Entry, bytes, str] | None:
+        """`_lookup` in every tier for a public read: checks the key first, counts a miss."""
+        check_key(key)
+        found = self._lookup(key)
+        if found is None:
+            self._count("misses")
+        return found
+
     # ------------------------------------------------------------------ public API
 
     def get(self, key: str) -> tuple[bytes | None, str]:
         """(verified envelope bytes, tier name) or (None, "miss"). Counts a hit or a miss."""
-        check_key(key)
-        found = self._lookup(key)
-        if found is None:
-            self._count("misses")
-            return None, MISS
-        return found[1], found[2]
+        found = self._find(key)
+        return (None, MISS) if found is None else (found[1], found[2])
 
     def get_entry(self, key: str) -> tuple[envelope.Entry | None, str]:
         """Like `get`, returning the parsed, verified `Entry` (no second verification needed)."""
-        check_key(key)
-        found = self._lookup(key)
-        if found is None:
-            self._count("misses")
-            return None, MISS
-        return found[0], found[2]
+        found = self._find(key)
+        return (None, MISS) if found is None else (found[0], found[2])
 
     def get_local(self, key: str) -> envelope.Entry | None:
         """The verified entry if the local tier holds it: no fleet store call (which may take up to the
@@ -295,11 +295,9 @@ class TieredCache:
         processes and hosts sharing these tiers, up to the bounded waits described in the module
         docstring. Its exceptions propagate to this caller; waiting threads then compile themselves.
         """
-        check_key(key)
-        found = self._lookup(key)
+        found = self._find(key)
         if found is not None:
             return found[0], found[2]
-        self._count("misses")
         if self.cfg.cache_mode == "strict":
             raise CacheMissError(key)
         if not (self.cfg.single_flight if single_flight is None else single_flight):
