@@ -191,8 +191,8 @@ def fleet_worker(addr: str, keys: list[str], compile_s: float, seed: int, out: A
         if lease is None:  # lost a takeover race: wait once more
             if b.wait_for(k, timeout_s=60) is not None:
                 continue
-            from neuron_runtime.cache._base import _NullLease
-            lease = _NullLease()
+            from neuron_runtime.cache._base import NullLease
+            lease = NullLease()
         with lease:
             time.sleep(compile_s)
             compiles += 1
