@@ -63,7 +63,7 @@ from ..signatures import (
 )
 from . import _runtime, _toolchain, _units
 from ._base import CompileRefused, Compiled, Compiler, Executable
-from ._reference import _resolve, aten_executable, build_call, build_graph
+from ._reference import aten_executable, build_call, build_graph, resolve as _resolve
 
 log = logging.getLogger(__name__)
 
