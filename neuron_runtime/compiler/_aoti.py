@@ -61,7 +61,7 @@ from ..signatures import (
     is_wrapped,
     other_instance,
 )
-from . import _runtime, _toolchain, _units
+from . import _aoti_runtime, _toolchain, _units
 from ._base import CompileRefused, Compiled, Compiler, Executable
 from ._reference import aten_executable, build_call, build_graph, resolve as _resolve
 
@@ -145,7 +145,7 @@ class _Job:
     scalar_types: list[str] = field(default_factory=list)
     library: bool = False
     restride: bool = False  # outputs copied into eager's layout (after a layout mismatch: `_export`)
-    unit: _units.Unit | None = None  # the op's C++ unit, built with the batch (`_runtime`)
+    unit: _units.Unit | None = None  # the op's C++ unit, built with the batch (`_aoti_runtime`)
     raw: bytes | None = None  # or a .pt2 AOTInductor built whole (a unit the rewrite does not know)
     so: bytes | None = None
     payload: bytes = b""
@@ -181,7 +181,7 @@ class AotiCompiler(Compiler):
         self.simdlen = _toolchain.simdlen_for(self.march, simdlen if simdlen is not None else cfg.aoti_simdlen)
         self.local_cache_dir = local_cache_dir or cfg.local_cache_dir
         self._scratch: _toolchain.Scratch | None = None
-        self._host: _runtime.HostRuntime | None = None
+        self._host: _aoti_runtime.HostRuntime | None = None
 
     # -- fingerprint --------------------------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
@@ -223,17 +223,17 @@ class AotiCompiler(Compiler):
         except Exception as e:  # noqa: BLE001 - a warm-up only: the real compile reports its own error
             log.debug("aoti: warm-up lowering failed: %s", e)
 
-    def host_runtime(self) -> _runtime.HostRuntime:
+    def host_runtime(self) -> _aoti_runtime.HostRuntime:
         """The shared runtime under `runtime_dir` (per user and host, like the native layer: a new local
         tier does not build it again), or beside the scratch when that directory cannot be written and
         holds no usable build (a read-only image layer that does is used as it is)."""
         if self._host is None:
             scratch = self.scratch()
             pinned = _toolchain.pins(self.march, self.simdlen)
-            host = _runtime.HostRuntime(Path(self.runtime_dir), scratch.tmp, pinned)
+            host = _aoti_runtime.HostRuntime(Path(self.runtime_dir), scratch.tmp, pinned)
             if not host.usable():
                 log.info("aoti: %s is not writable; the shared runtime goes to %s", self.runtime_dir, scratch.root)
-                host = _runtime.HostRuntime(scratch.root, scratch.tmp, pinned)
+                host = _aoti_runtime.HostRuntime(scratch.root, scratch.tmp, pinned)
             self._host = host
         return self._host
 
@@ -337,7 +337,7 @@ class AotiCompiler(Compiler):
         try:
             try:
                 results = host.build([j.unit for j in jobs if j.unit is not None], work)
-            except _runtime.BuildError as e:  # the shared runtime itself cannot be built here
+            except _aoti_runtime.BuildError as e:  # the shared runtime itself cannot be built here
                 for j in jobs:
                     j.error = CompileRefused(f"{j.qualname}: {e}")
                 return
