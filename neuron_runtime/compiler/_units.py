@@ -21,7 +21,7 @@ in one translation unit (one g++ run for a batch of signatures); the link picks 
 
 The rewrite is strict: generated code of any other shape than the one read here (constants, a proxy
 executor for ops without a C shim, model members used in `run_impl`, a new top-level construct) is
-`Unsupported`, and the op is built the way AOTInductor builds it (`_aoti._aot_compile`), slower but
+`Unsupported`, and the op is built the way AOTInductor builds it (`_lowering.aot_lower`), slower but
 whole. A new torch is a new fingerprint, so a changed code generator never meets an old rewrite
 unnoticed: `tests/compiler/test_units.py` checks the rewrite against this torch's generator.
 """

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from neuron_runtime.compiler import CompileRefused, _aoti_runtime, _toolchain, _units
-from neuron_runtime.compiler._aoti import LIBRARY_OPS, AotiCompiler, ArtifactMismatch, _Job, read_meta
+from neuron_runtime.compiler._aoti import LIBRARY_OPS, AotiCompiler, _Job
+from neuron_runtime.compiler._package import ArtifactMismatch, read_meta
 from neuron_runtime.signatures import _ops, _signature
 
 from aoti_helpers import forged
