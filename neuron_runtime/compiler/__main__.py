@@ -1,6 +1,6 @@
 """`python -m neuron_runtime.compiler`: build the `aoti` tier's shared runtime now (make install does),
 so no compile of this host pays for it: the precompiled header, AOTInductor's runtime object and the
-link stub, for this host's toolchain, torch and TORCH_NEURONX_AOTI_* settings (compiler/_runtime.py).
+link stub, for this host's toolchain, torch and TORCH_NEURONX_AOTI_* settings (compiler/_aoti_runtime.py).
 Prints where it lives; on a host that cannot compile (no C++ compiler) it says why and exits 0: the
 first compile reports the same, and the ops run on the host."""
 

@@ -12,25 +12,26 @@ from typing import Any
 import torch
 
 from ..signatures import (
+    LIST_KINDS,
     OPT_TENSOR,
-    OPT_TENSORS,
     SCALAR,
     SCALARS,
     TENSOR,
-    TENSORS,
     VALUE,
     canonical,
     decode_value,
+    has_nodes,
     is_wrapped,
+    resolve_op,
     scalar_overload,
 )
 from ._base import CompileRefused, Compiler, Executable
 
 
-def _resolve(qualname: str) -> Any:
-    base, _, overload = qualname.removeprefix("aten::").partition(".")
+def resolve(qualname: str) -> Any:
+    """The aten op `qualname` names (`signatures.resolve_op`); one this torch lacks is a refusal."""
     try:
-        return getattr(getattr(torch.ops.aten, base), overload or "default")
+        return resolve_op(qualname)
     except AttributeError as e:
         raise CompileRefused(f"unknown op {qualname}") from e
 
@@ -48,39 +49,29 @@ def build_call(signature: dict[str, Any], op: Any, wrapped_as_tensors: bool = Fa
     consts: list[Any] = []
     pos: list[str] = []
     kw: list[str] = []
-    ti = si = 0
+    taken = {"T": 0, "S": 0}  # how many tensors (T) and run-time scalars (S) the arguments so far took
+
+    def take(seq: str, present: bool = True, n: int | None = None) -> str:
+        """The next item of `seq` (`n`: the next n, as a slice), or "None" for an absent argument: an
+        absent optional keeps its place in the call (and in a list), but takes no input."""
+        if not present:
+            return "None"
+        i = taken[seq]
+        taken[seq] += 1 if n is None else n
+        return f"{seq}[{i}]" if n is None else f"{seq}[{i}:{i + n}]"
+
     schema_args = {a.name: a for a in op._schema.arguments}
     for name, kind, desc in signature["args"]:
         if kind == TENSOR:
-            expr = f"T[{ti}]"
-            ti += 1
+            expr = take("T")
         elif kind == OPT_TENSOR:
-            if desc is None:
-                expr = "None"
-            else:
-                expr = f"T[{ti}]"
-                ti += 1
-        elif kind in (TENSORS, OPT_TENSORS):
-            items = []
-            for d in desc:
-                if d is None:
-                    items.append("None")
-                else:
-                    items.append(f"T[{ti}]")
-                    ti += 1
-            expr = "[" + ", ".join(items) + "]"
+            expr = take("T", desc is not None)
+        elif kind in LIST_KINDS:
+            expr = "[" + ", ".join(take("T", d is not None) for d in desc) + "]"
         elif kind == SCALAR:
-            if desc is None:
-                expr = "None"
-            else:
-                expr = f"S[{si}]"
-                si += 1
+            expr = take("S", desc is not None)
         elif kind == SCALARS:
-            if desc is None:
-                expr = "None"
-            else:
-                expr = f"S[{si}:{si + len(desc)}]"
-                si += len(desc)
+            expr = take("S", desc is not None, n=len(desc) if desc is not None else 0)
         elif kind == VALUE:
             consts.append(decode_value(desc))
             expr = f"C[{len(consts) - 1}]"
@@ -119,10 +110,10 @@ class ReferenceCompiler(Compiler):
                 "machine": platform.machine()}
 
     def compile(self, signature: dict[str, Any]) -> bytes:
-        if "graph" in signature:
+        if has_nodes(signature):
             build_graph(signature)
         else:
-            build_call(signature, _resolve(signature["op"]))  # refuse now, not at load time
+            build_call(signature, resolve(signature["op"]))  # refuse now, not at load time
         return canonical({"format": "reference-v1", "signature": signature})
 
     def load(self, payload: bytes) -> Executable:
@@ -130,7 +121,7 @@ class ReferenceCompiler(Compiler):
         if desc.get("format") != "reference-v1":
             raise CompileRefused(f"not a reference-v1 descriptor: {desc.get('format')!r}")
         sig = desc["signature"]
-        if "graph" in sig:
+        if has_nodes(sig):
             return build_graph(sig)
         return aten_executable(sig)
 
@@ -138,7 +129,7 @@ class ReferenceCompiler(Compiler):
 def aten_executable(sig: dict[str, Any]) -> Executable:
     """The executable that is the signature's aten op itself, on host memory (shape classes included:
     the op serves any shape). The native hit path calls the op directly (`__neuron_aten__`)."""
-    run = build_call(sig, _resolve(sig["op"]))
+    run = build_call(sig, resolve(sig["op"]))
     run.__neuron_aten__ = sig["op"]  # type: ignore[attr-defined]
     if sig.get("writes"):
         run.__neuron_inplace__ = True  # type: ignore[attr-defined]
@@ -155,7 +146,7 @@ def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
     `choose(node signature, op)`: what to call for a node instead of its op (a compiler's stand-in)."""
     steps = []
     for node in signature["graph"]:
-        op = _resolve(node["sig"]["op"])
+        op = resolve(node["sig"]["op"])
         call = build_call(node["sig"], choose(node["sig"], op) if choose else op, wrapped_as_tensors)
         wiring = [(w[0] == "n", int(w[1]), int(w[2]) if len(w) > 2 else 0) for w in node["in"]]
         n_scalars = sum(1 if kind == SCALAR and desc is not None else

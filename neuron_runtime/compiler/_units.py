@@ -14,14 +14,14 @@ builds it (`generated`) and rewritten into a unit that holds only the op's code 
     }
     extern "C" hidden neuron_op_run_<k>, neuron_op_info_<k>   (what the shared runtime calls)
 
-The shared runtime (`_runtime.py`: `interface.cpp` and the model class's members, compiled once per host
-and fingerprint) forwards `AOTInductorModel`'s constructor and `run_impl` to those two entry points, so
-a linked op is a complete AOTInductor model `.so` that AOTInductor's own runner loads. Several units fit
+The shared runtime (`_aoti_runtime.py`: `interface.cpp` and the model class's members, compiled once
+per host and fingerprint) forwards `AOTInductorModel`'s constructor and `run_impl` to those two entry
+points, so a linked op is a complete AOTInductor model `.so` that AOTInductor's own runner loads. Several units fit
 in one translation unit (one g++ run for a batch of signatures); the link picks one by `--defsym`.
 
 The rewrite is strict: generated code of any other shape than the one read here (constants, a proxy
 executor for ops without a C shim, model members used in `run_impl`, a new top-level construct) is
-`Unsupported`, and the op is built the way AOTInductor builds it (`_aoti._aot_compile`), slower but
+`Unsupported`, and the op is built the way AOTInductor builds it (`_lowering.aot_lower`), slower but
 whole. A new torch is a new fingerprint, so a changed code generator never meets an old rewrite
 unnoticed: `tests/compiler/test_units.py` checks the rewrite against this torch's generator.
 """
@@ -110,8 +110,8 @@ def captured(e: BaseException) -> Unit | None:
 
 
 # -- the rewrite --------------------------------------------------------------------------------------
-#: The header every unit is compiled with (precompiled once per host: `_runtime.HostRuntime`): what the
-#: kernels need (cpp_prefix.h) and what `run_impl` needs (the C shim and AOTInductor's RAII helpers),
+#: The header every unit is compiled with (precompiled once per host: `_aoti_runtime.HostRuntime`): what
+#: the kernels need (cpp_prefix.h) and what `run_impl` needs (the C shim and AOTInductor's RAII helpers),
 #: but not `model.h`/`model_base.h`, whose templates alone cost 0.8 s of CPU per translation unit.
 HEADER = """\
 #pragma once

@@ -11,7 +11,7 @@ def forged(payload: bytes, change: Any) -> bytes:
     import json
     import zipfile
 
-    from neuron_runtime.compiler._aoti import META_PATH
+    from neuron_runtime.compiler._package import META_PATH
 
     out = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(payload)) as src, zipfile.ZipFile(out, "w") as dst:

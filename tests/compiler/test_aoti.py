@@ -18,7 +18,8 @@ import torch
 
 from neuron_runtime.aten import _dispatch
 from neuron_runtime.compiler import CompileRefused
-from neuron_runtime.compiler._aoti import META_PATH, AotiCompiler, ArtifactMismatch, read_meta
+from neuron_runtime.compiler._aoti import AotiCompiler
+from neuron_runtime.compiler._package import META_PATH, ArtifactMismatch, read_meta
 from neuron_runtime.compiler._reference import build_call
 from neuron_runtime.signatures import _ops, _shapes, _signature
 
@@ -199,9 +200,9 @@ def test_a_generic_kernel_that_disagrees_on_a_second_shape_is_refused(aoti_compi
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A class whose kernel came out specialised on its example's sizes (here: exported with no dynamic
     dims, as if Inductor had baked them in) fails the self-check's second shape and is never cached."""
-    import neuron_runtime.compiler._aoti as aoti
+    from neuron_runtime.compiler import _examples
 
-    monkeypatch.setattr(aoti, "_dynamic_dims", lambda cls: None)
+    monkeypatch.setattr(_examples, "dynamic_dims", lambda cls: None)
     cls = _shapes.shape_class(signature_of("aten::neg", torch.randn(3, 5))[1])
     assert cls is not None
     with pytest.raises(CompileRefused, match="output 0 is|fails to run|differs from eager"):
@@ -359,8 +360,8 @@ def test_in_place_foreach_kernel_writes_the_tensors_and_never_runs_on_overlappin
 
 
 def test_writes_overlap_finds_every_shared_byte() -> None:
-    """The rule `_InPlace` and the native layer apply before an in-place kernel runs."""
-    from neuron_runtime.compiler._aoti import writes_overlap
+    """The rule `_inplace.InPlace` and the native layer apply before an in-place kernel runs."""
+    from neuron_runtime.compiler._inplace import writes_overlap
 
     buf = torch.arange(32.0)
     a, b = torch.zeros(4), torch.zeros(4)

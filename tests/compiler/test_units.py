@@ -1,5 +1,6 @@
-"""The `aoti` tier's compile path: per-op units linked with the runtime every op shares (compiler/_units.py,
-compiler/_runtime.py), batches, library calls, and the faults of the shared files (real g++ builds)."""
+"""The `aoti` tier's compile path: per-op units linked with the runtime every op shares
+(compiler/_units.py, compiler/_aoti_runtime.py), batches, library calls, and the faults of the shared
+files (real g++ builds)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_runtime.compiler import CompileRefused, _runtime, _toolchain, _units
-from neuron_runtime.compiler._aoti import LIBRARY_OPS, AotiCompiler, ArtifactMismatch, _Job, read_meta
+from neuron_runtime.compiler import CompileRefused, _aoti_runtime, _toolchain, _units
+from neuron_runtime.compiler._aoti import LIBRARY_OPS, AotiCompiler, _Job
+from neuron_runtime.compiler._package import ArtifactMismatch, read_meta
 from neuron_runtime.signatures import _ops, _signature
 
 from aoti_helpers import forged
@@ -61,7 +63,7 @@ def test_a_unit_that_does_not_compile_is_refused_alone(aoti_compiler: AotiCompil
     jobs[1].unit.body += "\n    this_is_not_cpp;\n"  # type: ignore[union-attr]
     host = aoti_compiler.host_runtime()
     results = host.build([j.unit for j in jobs], tmp_path)  # type: ignore[misc]
-    assert isinstance(results[1], _runtime.BuildError) and "this_is_not_cpp" in str(results[1])
+    assert isinstance(results[1], _aoti_runtime.BuildError) and "this_is_not_cpp" in str(results[1])
     assert isinstance(results[0], bytes) and isinstance(results[2], bytes)
     so = tmp_path / "relu.so"
     so.write_bytes(results[0])
@@ -108,8 +110,8 @@ def test_two_processes_build_the_shared_runtime_once_and_a_bad_file_is_rebuilt(t
     answers = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
     assert sorted(a["builds"] for a in answers) == [0, 1] and answers[0]["dir"] == answers[1]["dir"]
     shared = Path(answers[0]["dir"])
-    manifest = json.loads((shared / "manifest.json").read_text())
-    assert set(manifest["rebuilt"]) == set(_runtime.FILES)
+    record = json.loads((shared / "manifest.json").read_text())  # the build record (its on-disk name)
+    assert set(record["rebuilt"]) == set(_aoti_runtime.FILES)
 
     obj = shared / "runtime.o"
     data = obj.read_bytes()
@@ -120,7 +122,7 @@ def test_two_processes_build_the_shared_runtime_once_and_a_bad_file_is_rebuilt(t
     torch.testing.assert_close(exe([x], [])[0], -x)
     assert compiler.host_runtime().builds == 1
     assert json.loads((shared / "manifest.json").read_text())["rebuilt"] == ["runtime.o"]
-    assert obj.read_bytes() != data[: len(data) // 2] and _runtime._sha256(obj) == \
+    assert obj.read_bytes() != data[: len(data) // 2] and _aoti_runtime._sha256(obj) == \
         json.loads((shared / "manifest.json").read_text())["sha256"]["runtime.o"]
 
 
@@ -134,8 +136,8 @@ def test_another_compiler_gets_its_own_shared_files_and_keys(aoti_compiler: Aoti
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     mine = aoti_compiler.host_runtime()
     pinned = _toolchain.pins(aoti_compiler.march, aoti_compiler.simdlen)
-    theirs = _runtime.HostRuntime(mine.dir.parent, aoti_compiler.scratch().tmp,
-                                  {**pinned, "cpp.cxx": (None, str(wrapper))})  # what CXX sets at import
+    theirs = _aoti_runtime.HostRuntime(mine.dir.parent, aoti_compiler.scratch().tmp,
+                                       {**pinned, "cpp.cxx": (None, str(wrapper))})  # what CXX sets at import
     assert theirs.cxx == str(wrapper) and theirs.dir != mine.dir
 
     # Another compiler, another torch build, an artifact of format 1: another key (a miss), and the

@@ -311,7 +311,7 @@ def test_what_the_rank_collapse_rule_does_not_serve() -> None:
 
 
 def test_a_flat_executable_runs_its_kernel_on_flat_views_and_views_results_back() -> None:
-    from neuron_runtime.compiler._aoti import _flat_executable
+    from neuron_runtime.compiler._runner import flat_executable
 
     ranks = []
 
@@ -320,7 +320,7 @@ def test_a_flat_executable_runs_its_kernel_on_flat_views_and_views_results_back(
         assert all(t.dim() == 1 and t.stride() == (1,) for t in ts)
         return [ts[0] * ts[1] + ss[0]]
 
-    exe = _flat_executable(kernel)
+    exe = flat_executable(kernel)
     for x in (torch.randn(4, 6), torch.randn(4, 6).t(), torch.randn(7),
               torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)):
         y = torch.randn_like(x)  # the same strides as x

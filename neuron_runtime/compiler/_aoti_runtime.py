@@ -1,4 +1,5 @@
-"""What every `aoti` executable shares, built once per host and fingerprint; and the per-op build.
+"""The AOTInductor runtime every `aoti` executable links, built once per host and fingerprint; and the
+per-op build (compile a batch's units, link each with that runtime).
 
 An op's `.so` is AOTInductor's runtime (the model container and its C interface, which AOTInductor's
 runner loads) linked with the op's own unit (`_units.py`: its kernels and `run_impl`). The runtime is the
@@ -11,7 +12,8 @@ same for every op, so it is compiled once, with two other things every op build 
         stub/libtorch_cpu.so  an empty library named libtorch_cpu.so: the link records the dependency
                               without reading torch's 430 MB library (0.45 s of every link); the loader
                               then binds the op to the real one, which every torch process has loaded
-        manifest.json         sha256 of each file and the recipe; written last, so it marks a whole build
+        manifest.json         the build record: sha256 of each file and the recipe; written last, so it
+                              marks a whole build (the file name predates the word; see `RECORD`)
 
 `recipe` hashes everything the files are made from (the compiler, its flags, the header, interface.cpp,
 the glue), so another toolchain or neuron-runtime version builds beside, never over, these files.
@@ -20,11 +22,11 @@ Like the native layer it is built once per user, host, toolchain and torch, not 
 (`make install` builds it: `python -m neuron_runtime.compiler`); where that directory cannot be written
 and holds no usable build, it goes beside the scratch (`_aoti.AotiCompiler.host_runtime`).
 
-Trust: the directory is host-private (the user's cache directory, 0o700). Each file is checked against the
-manifest before use (runtime.o and the stub on every build; the 150 MB header once per process and again
-whenever it changes on disk); a missing, half-written or corrupt file is rebuilt, never used. Builders
-take an exclusive `flock` on the directory, so two processes starting at once build once and both use
-the result; a builder that dies releases the lock with its process, and a waiter that gives up after
+Trust: the directory is host-private (the user's cache directory, 0o700). Each file is checked against
+the build record before use (runtime.o and the stub on every build; the 150 MB header once per process
+and again whenever it changes on disk); a missing, half-written or corrupt file is rebuilt, never used.
+Builders take an exclusive `flock` on the directory, so two processes starting at once build once and
+both use the result; a builder that dies releases the lock with its process, and a waiter that gives up after
 `LOCK_TIMEOUT_S` builds into private files itself.
 
 `build(units)` compiles units into one translation unit (one g++ run for a batch of signatures), links
@@ -63,6 +65,10 @@ GLUE = Path(__file__).with_name("aoti_runtime.cpp")
 LOCK_TIMEOUT_S = 600.0
 BUILD_TIMEOUT_S = 900.0
 FILES = ("op.h", "op.h.gch", "runtime.o", "stub/libtorch_cpu.so")
+# The build record's file. Its name is older than the rule that "manifest" means a job's manifest of
+# executables (executables/_manifest.py); renaming it would make every built directory, read-only image
+# layers included, look unbuilt, so the name stays.
+RECORD = "manifest.json"
 
 
 class BuildError(RuntimeError):
@@ -185,9 +191,10 @@ class HostRuntime:
                 raise BuildError(f"the shared AOTI runtime in {self.dir} does not verify after a build")
             return self.dir
 
-    def _manifest(self) -> dict[str, Any] | None:
+    def _record(self) -> dict[str, Any] | None:
+        """The build record (`RECORD`) of this recipe, or None: missing, unreadable or another recipe's."""
         try:
-            m = json.loads((self.dir / "manifest.json").read_text())
+            m = json.loads((self.dir / RECORD).read_text())
         except (OSError, ValueError):
             return None
         if not isinstance(m, dict) or m.get("recipe") != self.recipe or not isinstance(m.get("sha256"), dict):
@@ -195,9 +202,9 @@ class HostRuntime:
         return m
 
     def _bad(self) -> set[str]:
-        """The shared files that are missing or do not match the manifest (all of them without one). The
-        big header is hashed once per process, and again whenever its size, mtime or inode change."""
-        m = self._manifest()
+        """The shared files that are missing or do not match the build record (all of them without one).
+        The big header is hashed once per process, and again whenever its size, mtime or inode change."""
+        m = self._record()
         if m is None:
             return set(FILES)
         bad = set()
@@ -212,7 +219,7 @@ class HostRuntime:
             if name == "op.h.gch" and self._checked.get(name) == stamp:
                 continue
             if _sha256(path) != m["sha256"].get(name):
-                log.warning("aoti: shared runtime file %s does not match its manifest; rebuilding it", path)
+                log.warning("aoti: shared runtime file %s does not match its build record; rebuilding it", path)
                 bad.add(name)
                 continue
             self._checked[name] = stamp
@@ -221,7 +228,7 @@ class HostRuntime:
         return bad
 
     def _build_shared(self, bad: set[str], private: bool) -> None:
-        """Build the bad files side by side in a private directory and publish them, manifest last."""
+        """Build the bad files side by side in a private directory and publish them, the record last."""
         self.builds += 1
         env = self.env()
         work = Path(tempfile.mkdtemp(prefix="build-", dir=self.dir))
@@ -230,7 +237,7 @@ class HostRuntime:
             (work / "op.h").write_text(_units.HEADER)
             (work / "runtime.cpp").write_text("#include <torch/csrc/inductor/aoti_include/cpu.h>\n" + self.interface +
                                               "\n" + _units.OP_INFO + GLUE.read_text())
-            (work / "stub.c").write_text("/* only the name: see compiler/_runtime.py */\n")
+            (work / "stub.c").write_text("/* only the name: see compiler/_aoti_runtime.py */\n")
             jobs = {
                 "op.h.gch": [self.cxx, "-x", "c++-header", str(work / "op.h"), *self.unit_flags(), "-w",
                              "-o", str(work / "op.h.gch")],
@@ -246,21 +253,21 @@ class HostRuntime:
                            for name, argv in todo.items()]
                 for f in futures:
                     f.result()
-            old = self._manifest()
+            old = self._record()
             sums = dict(old["sha256"]) if old is not None else {}
             for name in FILES:
                 if name in bad:
                     sums[name] = _sha256(work / name)
             (self.dir / "stub").mkdir(mode=0o700, exist_ok=True)
-            (self.dir / "manifest.json").unlink(missing_ok=True)  # the old set is no longer whole
+            (self.dir / RECORD).unlink(missing_ok=True)  # the old set is no longer whole
             for name in FILES:
                 if name in bad:
                     os.replace(work / name, self.dir / name)
-            manifest = {"recipe": self.recipe, "sha256": sums, "built": time.time(), "pid": os.getpid(),
-                        "private": private, "rebuilt": sorted(bad)}
-            tmp = self.dir / f"manifest.json.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(manifest, sort_keys=True))
-            os.replace(tmp, self.dir / "manifest.json")
+            record = {"recipe": self.recipe, "sha256": sums, "built": time.time(), "pid": os.getpid(),
+                      "private": private, "rebuilt": sorted(bad)}
+            tmp = self.dir / f"{RECORD}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(record, sort_keys=True))
+            os.replace(tmp, self.dir / RECORD)
             self._checked.clear()
             log.info("aoti: built %s of the shared AOTI runtime in %s", ", ".join(sorted(bad)), self.dir)
         finally:

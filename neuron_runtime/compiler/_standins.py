@@ -1,0 +1,90 @@
+"""What the `aoti` tier traces in an op's place where Inductor needs another spelling of the same op:
+a `_foreach_*` op as a loop over its per-tensor op (`per_element`), a graph's `view` as `reshape`
+(`VIEWS`); `for_node` chooses for a node of a fused group or graph. Each table says why."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..signatures import SCALAR, SCALARS
+
+
+def for_node(sig: dict[str, Any], op: Any) -> Any:
+    """What a fused group's or graph's node (`sig`, its op `op`) is traced as: `build_graph`'s `choose`."""
+    return per_element(sig["op"], op, sig) or VIEWS.get(sig["op"], op)
+
+
+def per_element(qualname: str, op: Any, signature: dict[str, Any]) -> Any | None:
+    """For a `_foreach_*` op, a stand-in that calls the per-tensor op in a loop, when Inductor needs it.
+
+    Inductor has no lowering for many foreach ops (all ScalarList overloads, exp, log, lgamma, ...) and
+    calls them through AOTInductor's proxy executor: one dispatcher call per execution and, for run-time
+    scalars, a load-time failure (it cannot take symbolic scalars). The per-tensor ops lower to one fused
+    kernel and keep the scalars as inputs. It is also how the CPU kernels of these ops compute (a loop
+    over the per-tensor op), so results match eager."""
+    if not qualname.startswith("aten::_foreach_"):
+        return None
+    from torch._inductor.lowering import lowerings
+
+    has_scalars = any(kind in (SCALAR, SCALARS) for _, kind, _ in signature["args"])
+    if not has_scalars and op in lowerings:
+        return None
+    base = qualname.removeprefix("aten::_foreach_").partition(".")[0]
+    target_name, scalar_kw = _FOREACH_ELEMENT.get(base, (base, None))
+    target = getattr(torch.ops.aten, target_name, None)
+    if target is None:
+        return None
+    return _PerElement(op, target, scalar_kw)
+
+
+class _Reshape:
+    """`view(self, size)` in a compiled graph, traced as `reshape`. A graph AOTAutograd recorded views
+    tensors with the strides eager kernels gave them; Inductor's decompositions may lay an intermediate
+    out otherwise (a CPU attention's `k` transposed in another order), and a `view` of it then fails the
+    whole compile ("Cannot view a tensor with shape ..."). `reshape` views when it can and copies when it
+    must; the self-check still compares every output's strides with eager's."""
+
+    def __init__(self, op: Any) -> None:
+        self._schema = op._schema
+
+    def __call__(self, x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+        return torch.reshape(x, size)
+
+
+VIEWS: dict[str, Any] = {"aten::view": _Reshape(torch.ops.aten.view.default),
+                         "aten::_unsafe_view": _Reshape(torch.ops.aten._unsafe_view.default)}
+
+
+# foreach base name -> (per-tensor op, keyword its list-wise scalar goes to when not positional); both as
+# the CPU kernels of the foreach ops call them (ForeachOpsKernels.cpp).
+_FOREACH_ELEMENT: dict[str, tuple[str, str | None]] = {
+    "maximum": ("clamp_min", None),
+    "minimum": ("clamp_max", None),
+    "addcmul": ("addcmul", "value"),
+    "addcdiv": ("addcdiv", "value"),
+    "norm": ("linalg_vector_norm", None),
+}
+
+
+class _PerElement:
+    """Callable with a foreach op's schema (what `build_call` needs) that loops over the per-tensor op."""
+
+    def __init__(self, op: Any, target: Any, scalar_kw: str | None) -> None:
+        self._schema = op._schema
+        self.target = target
+        self.scalar_kw = scalar_kw
+        self.n_positional = sum(1 for a in op._schema.arguments if not a.kwarg_only)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+        outs = []
+        for i in range(n):
+            pos = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+            kw = {k: v[i] if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
+            if self.scalar_kw is not None and len(pos) == 4:
+                kw[self.scalar_kw] = pos.pop()
+            outs.append(self.target(*pos, **kw))
+        return outs
