@@ -92,7 +92,7 @@ class Config:
     # aoti target
     aoti_march: str = "x86-64-v3"
     aoti_simdlen: int | None = None
-    aoti_runtime_dir: str | None = None  # the shared AOTI runtime (compiler/_runtime.py); default below
+    aoti_runtime_dir: str | None = None  # the shared AOTI runtime (compiler/_aoti_runtime.py); default below
     # fusion
     concatenation: bool = False
     concatenation_buffer_limit: int = 1024

@@ -446,7 +446,7 @@ c10::Scalar wrapped_value(const at::Tensor& t) {
 // flat shape class (neuron_runtime/signatures/_shapes.py, the rank-collapse rule), a 1-D kernel called on 1-D views
 // of the inputs (which all have the same sizes and dense strides), its outputs viewed back with the first
 // input's sizes and strides; inputs already 1-D and contiguous are passed as they are.
-// `written`: an in-place kernel's inputs it stores into (compiler/_aoti.py, `_InPlace`); it was compiled
+// `written`: an in-place kernel's inputs it stores into (compiler/_inplace.py, `InPlace`); it was compiled
 // for inputs that do not overlap, so a call where one of them shares a byte with another input does not
 // run here (`overlaps`): the Python executable runs the in-place aten op on the host for it.
 struct AotiCall {
@@ -477,7 +477,7 @@ struct AotiCall {
   }
 
   // Whether a written input shares a byte with another input (or is written twice): each tensor's byte
-  // span, sorted by start, swept once (compiler/_aoti.py's `writes_overlap`, the same rule).
+  // span, sorted by start, swept once (compiler/_inplace.py's `writes_overlap`, the same rule).
   bool overlaps(const std::vector<at::Tensor>& in) const {
     struct Span { uintptr_t a, b; bool w; };
     std::vector<Span> spans;

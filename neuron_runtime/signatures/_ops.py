@@ -59,7 +59,7 @@ STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_
 # `float` arguments that change every step and are fed at run time like a Scalar (keyed by type), with
 # why: the fused optimizers' learning rate follows the LR scheduler (the Trainer's default is linear
 # decay), so keyed by value it made a new key, and a new compile or host run, every step. A compiler that
-# cannot take a run-time value for a `float` (aoti: `_check_scalar_schema`) refuses the key once instead,
+# cannot take a run-time value for a `float` (aoti: `_examples.check_scalar_schema`) refuses the key once instead,
 # and the op then runs on the host (in place, on the tensors' own memory).
 RUNTIME_FLOATS = {op: {"lr": "the LR scheduler changes it every step"}
                   for op in ("aten::_fused_adamw_", "aten::_fused_adamw", "aten::_fused_adam_", "aten::_fused_adam",
