@@ -1,9 +1,12 @@
 """What a call is, as data: shared by `aten/` (which builds signatures), `executables/` (which keys and
 resolves them) and `compiler/` (which compiles them). The bottom of the runtime; imports only torch.
 
-    _ops.py        an aten op's kind and argument kinds, decided once from its schema (ops as data)
+    _ops.py        an aten op's kind and argument kinds, decided once from its schema (ops as data);
+                   `OpInfo.call_args` splits a call's values, `tensors_in` is the one switch on an
+                   argument's kind
     _signature.py  a call's signature (canonical JSON) and its cache key (sha256 with the fingerprint)
-    _shapes.py     shape classes: one executable for a family of shapes
+    _shapes.py     shape classes: one executable for a family of shapes; `kind_of` says what a signature
+                   is (op, class, fused group, graph) and `nodes_of` gives a group's or graph's ops
 
 What the other packages use is named here; nothing here is public API.
 """
