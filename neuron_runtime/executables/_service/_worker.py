@@ -169,7 +169,7 @@ class _Worker:
             for t in open_:
                 key = t["keys"][t["at"]]
                 entry, _ = self.cache.get_entry(key)
-                if entry is not None and _entries.stale_refusal(entry) and self.cfg.cache_mode != "strict":
+                if _entries.must_recompile(entry, self.cfg.cache_mode):
                     entry = None  # another version refused it: ask the compiler again
                 t["entry"] = entry
                 if entry is None:
@@ -218,11 +218,7 @@ class _Worker:
             return _entries.build_entry(self.cache, self.compiler, key, sig, self.fp, self.producer, compiled)
 
         if compiled is not None and t.get("entry") is None:
-            known, _ = self.cache.get_entry(key)
-            if known is not None and _entries.stale_refusal(known):
-                entry, where = _entries.replace(self.cache, key, compile_entry), "compiled"
-            else:
-                entry, where = self.cache.get_or_compile(key, compile_entry)
+            entry, where = _entries.get_or_compile(self.cache, key, compile_entry, self.cfg.cache_mode)
         else:
             entry, where = t["entry"], "present"
         try:
@@ -232,7 +228,7 @@ class _Worker:
                 return False  # e.g. no generic kernel for this class: the next candidate
             t["answer"].update(status="refused", reason=str(e))
             return True
-        t["answer"].update(found=key, status="compiled" if where == "compiled" else "present")
+        t["answer"].update(found=key, status="compiled" if where in ("compiled", _entries.RECOMPILED) else "present")
         if self.cache.local.get(key) is None:
             # The local tier refused the write (full disk, read-only directory): the entry travels in the
             # answer instead, and the parent verifies it as it would a tier's.
