@@ -21,6 +21,7 @@ compile:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import queue
@@ -39,7 +40,7 @@ from neuron_runtime.cache import CacheError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, JobError, UsageError
 from neuron_runtime.compiler import make_compiler
-from neuron_runtime.executables import ManifestLine, scan_manifest
+from neuron_runtime.executables import ManifestLine, scan_manifest, worker_env
 from neuron_runtime.signatures import cache_key, is_class, tensor_descs
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,12 @@ def key_manifest(manifest: str, fp: dict[str, Any]) -> tuple[list[tuple[Manifest
         except (TypeError, ValueError) as e:
             errors.append({"line": rec.line, "error": f"cannot key this signature: {e}"})
     return keyed, errors
+
+
+def compile_env(cfg: _config.Config, env: dict[str, str]) -> dict[str, str]:
+    """The compile workers' environment (`worker_env`): `cfg` writing to its tiers (a read-only mode is
+    the consumers' business, never a warm-up's), and an OMP_NUM_THREADS the user set kept (docs/cli.md)."""
+    return worker_env(dataclasses.replace(cfg, cache_mode="readwrite"), env, keep_omp_threads=True)
 
 
 def add_parsers(sub: Any) -> None:
@@ -259,19 +266,12 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
     # 3. compile what is missing
     results: dict[int, dict[str, Any]] = {}
     if todo:
-        worker_env = dict(env)
-        worker_env.update(TORCH_NEURONX_CACHE_MODE="readwrite", TORCH_NEURONX_COMPILER=cfg.compiler)
-        for var in ("TORCH_NEURONX_RECORD_FILE", "TORCH_NEURONX_STATS_FILE"):
-            worker_env.pop(var, None)
-        # One compile per core: the C++ compiler is single-threaded, and OpenMP threads in every worker
-        # would only fight over the cores (an explicit setting wins).
-        worker_env.setdefault("OMP_NUM_THREADS", "1")
         n = min(jobs, len(todo))
         print(f"neuron-cache: compiling {len(todo)} signature(s) for tier {cfg.compiler} with {n} worker(s) "
               f"({present} already present)", file=sys.stderr)
         # Batches (one C++ translation unit each) small enough that the workers finish together.
         batch = max(1, min(cfg.compile_batch, -(-len(todo) // (2 * n))))
-        pool = _Pool(n, worker_env, timeout,
+        pool = _Pool(n, compile_env(cfg, env), timeout,
                      _common.Progress(len(todo), "compile", enabled=not args.no_progress), batch=batch)
         results = pool.run([(i, rec.signature or {}) for i, (rec, _) in enumerate(todo)],
                            [rec.signature["op"] if rec.signature else "?" for rec, _ in todo])

@@ -25,7 +25,8 @@ from ._resolver import Resolver
 # What a resolve answers with, from the layers below (the layers above never import those themselves).
 _VOCABULARY = ["CacheMissError", "CompileRefused", "Compiler", "Executable", "IntegrityError", "TieredCache"]
 __all__ = [*_VOCABULARY, "ManifestLine", "Resolver", "WorkerPool", "ask", "check_signature", "megacache_stats",
-           "parse_line", "read_manifest", "register_megacache", "scan_manifest", "service_dir", "set_provider"]
+           "parse_line", "read_manifest", "register_megacache", "scan_manifest", "service_dir", "set_provider",
+           "worker_env"]
 
 _RECORD = frozenset({"ManifestLine", "check_signature", "parse_line", "read_manifest", "scan_manifest"})
 _CLIENT = frozenset({"ask", "service_dir"})
@@ -39,6 +40,8 @@ def __getattr__(name: str) -> Any:
         from ._service import _client as module
     elif name == "WorkerPool":
         from ._service import _server as module
+    elif name == "worker_env":
+        from ._service import _worker as module
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(module, name)

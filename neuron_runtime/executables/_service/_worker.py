@@ -24,9 +24,9 @@ then each entry goes through `TieredCache.get_or_compile` as a single one would:
 host wrote meanwhile is taken from the tiers, and a signature that fails costs only its own answer.
 `seconds` of a batched task is its share of the batch; `phases` its seconds per compile phase.
 
-The configuration comes from the environment the parent prepared (tier, local tier, fleet store, signing
-key), and every entry goes through the same `TieredCache` the runtime uses, so host and fleet
-single-flight apply between workers and between hosts warming the same store.
+The configuration comes from the environment the parent prepared with `worker_env` (tier, local tier,
+fleet store, signing key), and every entry goes through the same `TieredCache` the runtime uses, so host
+and fleet single-flight apply between workers and between hosts warming the same store.
 """
 
 from __future__ import annotations
@@ -40,7 +40,39 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from typing import IO, Any
+
+from ... import _config
+
+# A worker compiles and nothing else: it never records signatures, never writes a stats file, and never
+# fetches (or writes) a job's manifest of executables.
+_NOT_FOR_WORKERS = ("TORCH_NEURONX_RECORD_FILE", "TORCH_NEURONX_STATS_FILE", "TORCH_NEURONX_JOB")
+
+
+def worker_env(cfg: _config.Config, environ: Mapping[str, str] | None = None,
+               keep_omp_threads: bool = False) -> dict[str, str]:
+    """The environment of a compile worker that compiles for `cfg`: the one rule for the compile
+    service's workers and for `neuron-cache warm/compile`'s.
+
+      1. `environ` (default: os.environ) less every `TORCH_NEURONX_*` variable, then `cfg`'s own
+         (`_config.to_env`): the worker runs exactly `cfg`, whatever else was inherited;
+      2. synchronous compiles, and none of `_NOT_FOR_WORKERS` (no recording, stats or job manifest);
+      3. OMP_NUM_THREADS=1: one compile per worker, and OpenMP threads in every worker would only fight
+         over the cores. With `keep_omp_threads`, an OMP_NUM_THREADS in `environ` wins: `neuron-cache`'s
+         user set it for the compile itself (docs/cli.md), whereas a training process's is its own
+         compute's, never a request to its compile service's workers.
+
+    Secrets (the signing key) are in it: never put it on a command line."""
+    inherited = os.environ if environ is None else environ
+    env = {k: v for k, v in inherited.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(_config.to_env(cfg))
+    env["TORCH_NEURONX_COMPILE_MODE"] = "sync"
+    for var in _NOT_FOR_WORKERS:
+        env.pop(var, None)
+    if not (keep_omp_threads and "OMP_NUM_THREADS" in env):
+        env["OMP_NUM_THREADS"] = "1"
+    return env
 
 
 def _protocol_stream() -> IO[str]:
