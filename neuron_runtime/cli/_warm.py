@@ -383,7 +383,7 @@ def compile_order(tasks: list[tuple[int, dict[str, Any]]]) -> list[tuple[int, di
 
 
 class _Pool:
-    """N worker processes (`_service._server.WorkerPool`) fed from one queue; a worker that dies or runs
+    """N worker processes (`_service._pool.WorkerPool`) fed from one queue; a worker that dies or runs
     past --timeout costs only its current signature (reported with the reason) and is replaced."""
 
     def __init__(self, n: int, env: dict[str, str], timeout: float | None, progress: _common.Progress,

@@ -39,7 +39,7 @@ def __getattr__(name: str) -> Any:
     elif name in _CLIENT:
         from ._service import _client as module
     elif name == "WorkerPool":
-        from ._service import _server as module
+        from ._service import _pool as module
     elif name == "worker_env":
         from ._service import _worker as module
     else:
