@@ -1,7 +1,9 @@
 """`neuron-cache explain TARGET`: why does this signature miss? The closest entries and what differs.
 
-TARGET is a signature (JSON text, a file, or `-` for stdin), a manifest line, a whole manifest (every
-line is explained), a strict-mode error message (the JSON after "Signature:" is used), or a 64-hex key.
+TARGET is a signature (JSON text, a file, or `-` for stdin), a signature record (a line of a record file,
+what `warm --manifest` keeps), a whole record file (every line is explained), a strict-mode error message
+(the JSON after "Signature:" is used), or a 64-hex key. (Its help and messages say "manifest", the CLI's
+word for a record file.)
 
 A key is sha256(format version, signature, fingerprint): a miss means some field of one of them differs
 from every stored entry. Entries store their signature and fingerprint in the header, so each candidate is

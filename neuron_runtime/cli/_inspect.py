@@ -252,18 +252,18 @@ def _quarantine(cfg: _config.Config, tier: str, key: str, reason: str, data: byt
         return None
 
 
-def _manifest_wanted(cfg: _config.Config, manifest: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _records_wanted(cfg: _config.Config, record_file: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """What `verify --manifest` looks for: one item per signature with its candidate keys (a shape class
     lands under its class key, or under its recorded exact shape's key where the tier has no generic
-    executable), and the manifest's bad lines."""
-    from neuron_runtime.cli._warm import key_manifest
+    executable), and the record file's bad lines (`--manifest` names a record file of signatures)."""
+    from neuron_runtime.cli._warm import key_records
     from neuron_runtime.compiler import make_compiler
     from neuron_runtime.signatures import cache_key
 
-    if not os.path.isfile(manifest):
-        raise UsageError(f"no manifest at {manifest}")
+    if not os.path.isfile(record_file):
+        raise UsageError(f"no manifest at {record_file}")
     fp = make_compiler(cfg).fingerprint()
-    keyed, errors = key_manifest(manifest, fp)
+    keyed, errors = key_records(record_file, fp)
     wanted = []
     for rec, key in keyed:
         sig = rec.signature or {}
@@ -283,7 +283,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     manifest_errors: list[dict[str, Any]] = []
     which = args.tiers
     if args.manifest:
-        wanted, manifest_errors = _manifest_wanted(cfg, args.manifest)
+        wanted, manifest_errors = _records_wanted(cfg, args.manifest)
         which = which or ("fleet" if cfg.cache_dir else "local")
     tiers = _common.open_tiers(cfg, which or "all", listing=wanted is None)
     checked = 0
