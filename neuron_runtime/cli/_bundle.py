@@ -52,16 +52,12 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--op", metavar="SUBSTRING", help="only entries whose op name contains SUBSTRING")
     p.add_argument("--manifest", metavar="MANIFEST",  # a record file of signatures (`read_records`)
                    help="only the entries a manifest needs, keyed for --tier (what a job on that tier will look up)")
-    _common.add_cache_options(p, tier=True)
-    _common.add_json_option(p)
-    p.set_defaults(func=cmd_export)
+    _common.finish_command(p, cmd_export, tier=True)
 
     p = sub.add_parser("import", help="verify a bundle entry by entry and store the good entries")
     p.add_argument("file", metavar="FILE")
     _common.add_tiers_option(p, "all")
-    _common.add_cache_options(p, fleet_flags=("--to", "--fleet"))
-    _common.add_json_option(p)
-    p.set_defaults(func=cmd_import)
+    _common.finish_command(p, cmd_import, fleet_flags=("--to", "--fleet"))
 
 
 def _mac(key: bytes, data: bytes) -> str:

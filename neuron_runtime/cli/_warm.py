@@ -111,7 +111,7 @@ def compile_env(cfg: _config.Config, env: dict[str, str]) -> dict[str, str]:
 
 
 def add_parsers(sub: Any) -> None:
-    def compile_options(p: argparse.ArgumentParser) -> None:
+    def compile_options(p: argparse.ArgumentParser, func: Any) -> None:
         p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
                        help="parallel compile worker processes [env NEURON_CACHE_JOBS, default: CPU count]")
         p.add_argument("--timeout", type=float, default=None, metavar="S",
@@ -122,8 +122,7 @@ def add_parsers(sub: Any) -> None:
                             "key, so N CI jobs (or an Indexed Job) share the work; `N` alone takes I from "
                             "JOB_COMPLETION_INDEX [env NEURON_CACHE_SHARD]")
         p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-        _common.add_cache_options(p, fleet_flags=("--to", "--fleet"), tier=True)
-        _common.add_json_option(p)
+        _common.finish_command(p, func, fleet_flags=("--to", "--fleet"), tier=True)
 
     w = sub.add_parser("warm", help="record a job's op signatures, then compile them in parallel",
                        description="Run JOB once on the reference tier with recording on, then compile every "
@@ -133,16 +132,14 @@ def add_parsers(sub: Any) -> None:
                    help="where to write the recorded manifest (kept) [env NEURON_CACHE_MANIFEST, default: a temporary file]")
     w.add_argument("--allow-job-failure", action="store_true",
                    help="exit 0 even if the job itself fails (what it recorded is compiled either way)")
-    compile_options(w)
+    compile_options(w, cmd_warm)
     w.add_argument("job", nargs=argparse.REMAINDER, help="the command to run, after `--`")
-    w.set_defaults(func=cmd_warm)
 
     c = sub.add_parser("compile", help="compile the signatures of a manifest (the second half of warm)",
                        description="Compile every signature of MANIFEST (JSON lines from TORCH_NEURONX_RECORD_FILE "
                                    "or `warm --manifest`) for the target tier.")
     c.add_argument("manifest", metavar="MANIFEST")
-    compile_options(c)
-    c.set_defaults(func=cmd_compile)
+    compile_options(c, cmd_compile)
 
 
 # ------------------------------------------------------------------------------------------ warm
