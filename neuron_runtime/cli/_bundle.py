@@ -33,12 +33,12 @@ from neuron_runtime.cache import CacheError, IntegrityError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, BundleError, UsageError
 from neuron_runtime.cli._inspect import check_entry
-from neuron_runtime.executables import read_manifest
+from neuron_runtime.executables import read_records
 from neuron_runtime.signatures import cache_key
 
 FORMAT = "neuron-cache-bundle"
 VERSION = 1
-MANIFEST = "bundle.json"
+INDEX = "bundle.json"  # the bundle's table of contents (format, entries, their digests)
 MAC = "bundle.json.hmac"
 _ENTRY = re.compile(r"^entries/([0-9a-f]{64})\.neff$")
 # One envelope larger than this is not an op executable (they are ~0.3-2 MiB): refuse before reading it.
@@ -50,18 +50,14 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("file", metavar="FILE", help="bundle to write (.tar, or .tar.gz/.tgz to compress)")
     _common.add_tiers_option(p, "all")
     p.add_argument("--op", metavar="SUBSTRING", help="only entries whose op name contains SUBSTRING")
-    p.add_argument("--manifest", metavar="MANIFEST",
+    p.add_argument("--manifest", metavar="MANIFEST",  # a record file of signatures (`read_records`)
                    help="only the entries a manifest needs, keyed for --tier (what a job on that tier will look up)")
-    _common.add_cache_options(p, tier=True)
-    _common.add_json_option(p)
-    p.set_defaults(func=cmd_export)
+    _common.finish_command(p, cmd_export, tier=True)
 
     p = sub.add_parser("import", help="verify a bundle entry by entry and store the good entries")
     p.add_argument("file", metavar="FILE")
     _common.add_tiers_option(p, "all")
-    _common.add_cache_options(p, fleet_flags=("--to", "--fleet"))
-    _common.add_json_option(p)
-    p.set_defaults(func=cmd_import)
+    _common.finish_command(p, cmd_import, fleet_flags=("--to", "--fleet"))
 
 
 def _mac(key: bytes, data: bytes) -> str:
@@ -83,7 +79,7 @@ def _wanted_keys(args: argparse.Namespace, cfg: Any) -> set[str] | None:
 
     fp = make_compiler(cfg).fingerprint()
     try:
-        return {cache_key(s, fp) for s in read_manifest(args.manifest)}
+        return {cache_key(s, fp) for s in read_records(args.manifest)}
     except (OSError, ValueError) as e:
         raise UsageError(f"--manifest {args.manifest}: {e}") from e
 
@@ -122,14 +118,14 @@ def cmd_export(args: argparse.Namespace) -> int:
                     _add(tar, f"entries/{info.key}.neff", data, info.mtime)
                     listed.append({"key": info.key, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
                                    "op": op, "compiler": entry.header["fingerprint"].get("tier")})
-            manifest = json.dumps({"format": FORMAT, "version": VERSION, "created": time.time(),
-                                   "producer": f"neuron-cache@{socket.gethostname()}",
-                                   "signed": cfg.signing_key is not None, "entries": listed},
-                                  indent=1, sort_keys=True).encode()
+            index = json.dumps({"format": FORMAT, "version": VERSION, "created": time.time(),
+                                "producer": f"neuron-cache@{socket.gethostname()}",
+                                "signed": cfg.signing_key is not None, "entries": listed},
+                               indent=1, sort_keys=True).encode()
             now = time.time()
-            _add(tar, MANIFEST, manifest, now)
+            _add(tar, INDEX, index, now)
             if cfg.signing_key:
-                _add(tar, MAC, _mac(cfg.signing_key, manifest).encode(), now)
+                _add(tar, MAC, _mac(cfg.signing_key, index).encode(), now)
         os.replace(tmp, path)
     except OSError as e:
         raise UsageError(f"cannot write {path}: {e}") from e
@@ -156,11 +152,11 @@ def _read_member(tar: tarfile.TarFile, m: tarfile.TarInfo) -> bytes:
     return f.read()
 
 
-def _load_manifest(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], path: str,
+def _load_index(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], path: str,
                    signing_key: bytes | None) -> dict[str, Any]:
-    m = members.get(MANIFEST)
+    m = members.get(INDEX)
     if m is None or not m.isfile():
-        raise BundleError(f"{path} has no {MANIFEST}: not a neuron-cache bundle (make one with `neuron-cache export`)")
+        raise BundleError(f"{path} has no {INDEX}: not a neuron-cache bundle (make one with `neuron-cache export`)")
     raw = _read_member(tar, m)
     if signing_key:
         mac = members.get(MAC)
@@ -169,14 +165,14 @@ def _load_manifest(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], pa
                               "same TORCH_NEURONX_CACHE_SIGNING_KEY")
         if not hmac.compare_digest(_read_member(tar, mac).strip().decode("ascii", "replace"),
                                    _mac(signing_key, raw)):
-            raise BundleError(f"{path}: {MANIFEST} does not verify with this signing key (tampered, or signed "
+            raise BundleError(f"{path}: {INDEX} does not verify with this signing key (tampered, or signed "
                               "with another key); nothing imported")
     try:
         doc = json.loads(raw)
     except ValueError as e:
-        raise BundleError(f"{path}: {MANIFEST} is not JSON: {e}") from e
+        raise BundleError(f"{path}: {INDEX} is not JSON: {e}") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), list):
-        raise BundleError(f"{path}: {MANIFEST} is not a {FORMAT} manifest")
+        raise BundleError(f"{path}: {INDEX} is not a {FORMAT} manifest")
     if doc.get("version") != VERSION:
         raise BundleError(f"{path}: bundle version {doc.get('version')!r}; this neuron-cache reads {VERSION}")
     return doc
@@ -196,7 +192,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         with tar:
             all_members = tar.getmembers()
             members = {m.name: m for m in all_members}
-            doc = _load_manifest(tar, members, path, cfg.signing_key)
+            doc = _load_index(tar, members, path, cfg.signing_key)
             listed = {e.get("key"): e for e in doc["entries"] if isinstance(e, dict)}
             have = {t.name: t.backend.contains_many([k for k in listed if isinstance(k, str) and
                                                      _ENTRY.match(f"entries/{k}.neff")]) for t in tiers}
@@ -208,7 +204,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
             found: set[str] = set()
             for m in all_members:
-                if m.name in (MANIFEST, MAC):
+                if m.name in (INDEX, MAC):
                     continue
                 match = _ENTRY.match(m.name)
                 if not match or not m.isfile():
@@ -219,14 +215,14 @@ def cmd_import(args: argparse.Namespace) -> int:
                 meta = listed.get(key)
                 op = meta.get("op") if meta else None
                 if meta is None:
-                    refuse(key, m.name, f"not listed in {MANIFEST}", op)
+                    refuse(key, m.name, f"not listed in {INDEX}", op)
                     continue
                 if m.size > _MAX_ENTRY:
                     refuse(key, m.name, f"{m.size} bytes: larger than any executable entry", op)
                     continue
                 data = _read_member(tar, m)
                 if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-                    refuse(key, m.name, f"sha256 differs from {MANIFEST} (tampered or damaged in transit)", op)
+                    refuse(key, m.name, f"sha256 differs from {INDEX} (tampered or damaged in transit)", op)
                     continue
                 try:
                     check_entry(key, data, cfg.signing_key)
@@ -247,7 +243,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             for key, meta in listed.items():
                 if key not in found:
                     refuse(key if isinstance(key, str) else None, f"entries/{key}.neff",
-                           f"listed in {MANIFEST} but missing from the archive", meta.get("op"))
+                           f"listed in {INDEX} but missing from the archive", meta.get("op"))
     except (tarfile.TarError, OSError, CacheError) as e:
         raise BundleError(f"cannot read {path}: {e}") from e
     finally:

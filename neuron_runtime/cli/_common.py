@@ -57,6 +57,14 @@ def add_json_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON document on stdout (logs stay on stderr)")
 
 
+def finish_command(p: argparse.ArgumentParser, func: Any, **cache_options: Any) -> None:
+    """What every command's parser ends with: the cache location options (`add_cache_options`, with
+    `cache_options`), --json, and `func`, the command's handler."""
+    add_cache_options(p, **cache_options)
+    add_json_option(p)
+    p.set_defaults(func=func)
+
+
 def runtime_env(args: argparse.Namespace, **force: str | None) -> dict[str, str]:
     """os.environ with the cache flags applied (and `force`d variables set, or removed when None)."""
     env = dict(os.environ)

@@ -1,7 +1,9 @@
 """`neuron-cache explain TARGET`: why does this signature miss? The closest entries and what differs.
 
-TARGET is a signature (JSON text, a file, or `-` for stdin), a manifest line, a whole manifest (every
-line is explained), a strict-mode error message (the JSON after "Signature:" is used), or a 64-hex key.
+TARGET is a signature (JSON text, a file, or `-` for stdin), a signature record (a line of a record file,
+what `warm --manifest` keeps), a whole record file (every line is explained), a strict-mode error message
+(the JSON after "Signature:" is used), or a 64-hex key. (Its help and messages say "manifest", the CLI's
+word for a record file.)
 
 A key is sha256(format version, signature, fingerprint): a miss means some field of one of them differs
 from every stored entry. Entries store their signature and fingerprint in the header, so each candidate is
@@ -39,15 +41,14 @@ from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, UsageError
 from neuron_runtime.executables import check_signature, parse_line
 from neuron_runtime.signatures import (
-    OPT_TENSOR,
-    OPT_TENSORS,
+    LIST_KINDS,
     SCALAR,
     SCALARS,
-    TENSOR,
-    TENSORS,
+    TENSOR_KINDS,
     VALUE,
     cache_key,
     describe_shapes,
+    has_nodes,
     is_wrapped,
     shape_classes,
 )
@@ -81,9 +82,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--fingerprint", metavar="JSON|FILE",
                    help="compare as a host with this compiler fingerprint (default: this host's, for --tier)")
     _common.add_tiers_option(p, "all")
-    _common.add_cache_options(p, tier=True)
-    _common.add_json_option(p)
-    p.set_defaults(func=cmd_explain)
+    _common.finish_command(p, cmd_explain, tier=True)
 
 
 # ------------------------------------------------------------------------------------------ parsing
@@ -173,13 +172,13 @@ def _arg_diffs(name: str, kind: str, a: Any, b: Any) -> list[dict[str, Any]]:
     path = f"args.{name}"
     if _same(a, b):
         return []
-    if kind in (TENSOR, OPT_TENSOR):
-        return _tensor_diffs(path, a, b)
-    if kind in (TENSORS, OPT_TENSORS):
+    if kind in LIST_KINDS:
         if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b):
             return [_diff("tensor count", path, len(a) if isinstance(a, list) else a,
                           len(b) if isinstance(b, list) else b)]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _tensor_diffs(f"{path}[{i}]", x, y)]
+    if kind in TENSOR_KINDS:  # one tensor, or an optional one
+        return _tensor_diffs(path, a, b)
     if kind in (SCALAR, SCALARS):
         return [_diff("scalar type", path, a, b)]
     if kind == VALUE:
@@ -212,7 +211,7 @@ def _graph_diffs(here: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, 
 def signature_diffs(here: dict[str, Any], entry: dict[str, Any]) -> list[dict[str, Any]]:
     if here.get("op") != entry.get("op"):
         return [_diff("op", "op", here.get("op"), entry.get("op"))]
-    if "graph" in here or "graph" in entry:
+    if has_nodes(here) or has_nodes(entry):
         return _graph_diffs(here, entry)
     out: list[dict[str, Any]] = []
     if here.get("schema") != entry.get("schema"):

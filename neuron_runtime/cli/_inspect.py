@@ -30,9 +30,7 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("ls", help="list entries (key, tier, size, age, op, compiler tier)")
     _common.add_tiers_option(p, "all")
     p.add_argument("--op", metavar="SUBSTRING", help="only entries whose op name contains SUBSTRING")
-    _common.add_cache_options(p)
-    _common.add_json_option(p)
-    p.set_defaults(func=cmd_ls)
+    _common.finish_command(p, cmd_ls)
 
     p = sub.add_parser("stats", help="entries and bytes per tier, plus hit/miss counters of the last runs")
     _common.add_tiers_option(p, "all")
@@ -40,9 +38,7 @@ def add_parsers(sub: Any) -> None:
                    help="a JSON file written by a run with TORCH_NEURONX_STATS_FILE (repeatable, globs allowed) "
                         "[default: $TORCH_NEURONX_STATS_FILE]")
     p.add_argument("--by-op", action="store_true", help="also count entries and bytes per op (reads every header)")
-    _common.add_cache_options(p)
-    _common.add_json_option(p)
-    p.set_defaults(func=cmd_stats)
+    _common.finish_command(p, cmd_stats)
 
     p = sub.add_parser("verify", help="re-check every entry's digest, signature and key; quarantine bad ones; "
                                       "exit 1 if any (with --manifest: also if any of its entries is missing)")
@@ -51,9 +47,7 @@ def add_parsers(sub: Any) -> None:
                    help="check only the entries of this manifest (all shards of a sharded warm-up), and report "
                         "those missing: did everything land? Works on stores that cannot list (http://)")
     p.add_argument("--dry-run", action="store_true", help="report bad entries but leave them in place")
-    _common.add_cache_options(p, tier=True)
-    _common.add_json_option(p)
-    p.set_defaults(func=cmd_verify)
+    _common.finish_command(p, cmd_verify, tier=True)
 
     p = sub.add_parser("prune", help="delete entries unused for a while and/or least recently used ones over a size")
     _common.add_tiers_option(p, "local")
@@ -64,9 +58,7 @@ def add_parsers(sub: Any) -> None:
                    help="drop entries not used (local) or written (fleet) for AGE (e.g. 30d, 12h) "
                         "[env NEURON_CACHE_PRUNE_OLDER_THAN]")
     p.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
-    _common.add_cache_options(p)
-    _common.add_json_option(p)
-    p.set_defaults(func=cmd_prune)
+    _common.finish_command(p, cmd_prune)
 
     p = sub.add_parser("clear", help="delete every entry (local tier unless --tiers says otherwise)")
     _common.add_tiers_option(p, "local")
@@ -74,9 +66,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--refusals", action="store_true",
                    help="delete only cached compiler refusals, so the compiler is asked again (after a "
                         "compiler fix within one neuron-runtime version; another version re-asks by itself)")
-    _common.add_cache_options(p)
-    _common.add_json_option(p)
-    p.set_defaults(func=cmd_clear)
+    _common.finish_command(p, cmd_clear)
 
 
 def _cfg(args: argparse.Namespace) -> _config.Config:
@@ -252,18 +242,18 @@ def _quarantine(cfg: _config.Config, tier: str, key: str, reason: str, data: byt
         return None
 
 
-def _manifest_wanted(cfg: _config.Config, manifest: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _records_wanted(cfg: _config.Config, record_file: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """What `verify --manifest` looks for: one item per signature with its candidate keys (a shape class
     lands under its class key, or under its recorded exact shape's key where the tier has no generic
-    executable), and the manifest's bad lines."""
-    from neuron_runtime.cli._warm import key_manifest
+    executable), and the record file's bad lines (`--manifest` names a record file of signatures)."""
+    from neuron_runtime.cli._warm import key_records
     from neuron_runtime.compiler import make_compiler
     from neuron_runtime.signatures import cache_key
 
-    if not os.path.isfile(manifest):
-        raise UsageError(f"no manifest at {manifest}")
+    if not os.path.isfile(record_file):
+        raise UsageError(f"no manifest at {record_file}")
     fp = make_compiler(cfg).fingerprint()
-    keyed, errors = key_manifest(manifest, fp)
+    keyed, errors = key_records(record_file, fp)
     wanted = []
     for rec, key in keyed:
         sig = rec.signature or {}
@@ -283,7 +273,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     manifest_errors: list[dict[str, Any]] = []
     which = args.tiers
     if args.manifest:
-        wanted, manifest_errors = _manifest_wanted(cfg, args.manifest)
+        wanted, manifest_errors = _records_wanted(cfg, args.manifest)
         which = which or ("fleet" if cfg.cache_dir else "local")
     tiers = _common.open_tiers(cfg, which or "all", listing=wanted is None)
     checked = 0

@@ -1,12 +1,16 @@
 """`neuron-cache warm -- JOB...` and `neuron-cache compile MANIFEST`.
 
+What users call the manifest here (`--manifest`, MANIFEST, NEURON_CACHE_MANIFEST, the summary's
+"manifest" keys) is a record file of signatures (`TORCH_NEURONX_RECORD_FILE`, executables' `_record`);
+the code calls it that, and keeps "manifest" for a job's manifest of executables.
+
 warm:
   1. Run the job once with recording on (TORCH_NEURONX_RECORD_FILE) on the `reference` tier (no real
      compiles: it only has to discover the signatures) and a throwaway local cache with no fleet store,
      so reference entries never reach the real caches.
   2. Compile the recorded signatures for the target tier, as `compile` does.
 compile:
-  1. Read the manifest line by line; a bad line is reported with its number and skipped. With
+  1. Read the record file line by line; a bad line is reported with its number and skipped. With
      `--shard I/N`, keep only the signatures whose key falls in shard I (`shard_of`).
   2. Key every signature with the target tier's fingerprint and ask each target tier (local, and the fleet
      store if one is set) which keys it holds (one batched call per tier). Entries the local tier has
@@ -21,6 +25,7 @@ compile:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import queue
@@ -39,7 +44,7 @@ from neuron_runtime.cache import CacheError
 from neuron_runtime.cli import _common
 from neuron_runtime.cli._errors import PROBLEMS, JobError, UsageError
 from neuron_runtime.compiler import make_compiler
-from neuron_runtime.executables import ManifestLine, scan_manifest
+from neuron_runtime.executables import RecordLine, scan_records, worker_env
 from neuron_runtime.signatures import cache_key, is_class, tensor_descs
 
 log = logging.getLogger(__name__)
@@ -74,18 +79,18 @@ def _shard_arg(args: argparse.Namespace) -> tuple[int, int] | None:
 
 def shard_of(key: str, n: int) -> int:
     """The shard (0..n-1) that compiles `key`. It depends on the key alone, never on the rest of the
-    manifest: shards that recorded their own manifests still agree, every key has exactly one shard, and
+    record file: shards that recorded their own files still agree, every key has exactly one shard, and
     the union of the shards is the unsharded set. (Keys are sha256: the split is even in expectation.)"""
     return int(key[:16], 16) % n
 
 
-def key_manifest(manifest: str, fp: dict[str, Any]) -> tuple[list[tuple[ManifestLine, str]],
+def key_records(record_file: str, fp: dict[str, Any]) -> tuple[list[tuple[RecordLine, str]],
                                                                list[dict[str, Any]]]:
-    """The manifest's good lines with their keys for fingerprint `fp`, and the bad lines (reported on
+    """The record file's good lines with their keys for fingerprint `fp`, and the bad lines (reported on
     stderr, each with its line number and reason)."""
-    keyed: list[tuple[ManifestLine, str]] = []
+    keyed: list[tuple[RecordLine, str]] = []
     errors: list[dict[str, Any]] = []
-    for rec in scan_manifest(manifest):
+    for rec in scan_records(record_file):
         if rec.error is not None:
             log.error("%s", rec.error)
             print(f"neuron-cache: {rec.error}", file=sys.stderr)
@@ -99,8 +104,14 @@ def key_manifest(manifest: str, fp: dict[str, Any]) -> tuple[list[tuple[Manifest
     return keyed, errors
 
 
+def compile_env(cfg: _config.Config, env: dict[str, str]) -> dict[str, str]:
+    """The compile workers' environment (`worker_env`): `cfg` writing to its tiers (a read-only mode is
+    the consumers' business, never a warm-up's), and an OMP_NUM_THREADS the user set kept (docs/cli.md)."""
+    return worker_env(dataclasses.replace(cfg, cache_mode="readwrite"), env, keep_omp_threads=True)
+
+
 def add_parsers(sub: Any) -> None:
-    def compile_options(p: argparse.ArgumentParser) -> None:
+    def compile_options(p: argparse.ArgumentParser, func: Any) -> None:
         p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
                        help="parallel compile worker processes [env NEURON_CACHE_JOBS, default: CPU count]")
         p.add_argument("--timeout", type=float, default=None, metavar="S",
@@ -111,8 +122,7 @@ def add_parsers(sub: Any) -> None:
                             "key, so N CI jobs (or an Indexed Job) share the work; `N` alone takes I from "
                             "JOB_COMPLETION_INDEX [env NEURON_CACHE_SHARD]")
         p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-        _common.add_cache_options(p, fleet_flags=("--to", "--fleet"), tier=True)
-        _common.add_json_option(p)
+        _common.finish_command(p, func, fleet_flags=("--to", "--fleet"), tier=True)
 
     w = sub.add_parser("warm", help="record a job's op signatures, then compile them in parallel",
                        description="Run JOB once on the reference tier with recording on, then compile every "
@@ -122,16 +132,14 @@ def add_parsers(sub: Any) -> None:
                    help="where to write the recorded manifest (kept) [env NEURON_CACHE_MANIFEST, default: a temporary file]")
     w.add_argument("--allow-job-failure", action="store_true",
                    help="exit 0 even if the job itself fails (what it recorded is compiled either way)")
-    compile_options(w)
+    compile_options(w, cmd_warm)
     w.add_argument("job", nargs=argparse.REMAINDER, help="the command to run, after `--`")
-    w.set_defaults(func=cmd_warm)
 
     c = sub.add_parser("compile", help="compile the signatures of a manifest (the second half of warm)",
                        description="Compile every signature of MANIFEST (JSON lines from TORCH_NEURONX_RECORD_FILE "
                                    "or `warm --manifest`) for the target tier.")
     c.add_argument("manifest", metavar="MANIFEST")
-    compile_options(c)
-    c.set_defaults(func=cmd_compile)
+    compile_options(c, cmd_compile)
 
 
 # ------------------------------------------------------------------------------------------ warm
@@ -148,16 +156,17 @@ def cmd_warm(args: argparse.Namespace) -> int:
     cfg = _common.load_config(env)
     scratch = tempfile.mkdtemp(prefix="neuron-cache-warm-")
     try:
-        manifest = os.path.abspath(args.manifest or os.environ.get("NEURON_CACHE_MANIFEST")
-                                   or os.path.join(scratch, "manifest.jsonl"))
-        # A fresh manifest per warm-up: the recorder appends, and a stale one would compile signatures
+        # --manifest names the record file the job writes (TORCH_NEURONX_RECORD_FILE)
+        record_file = os.path.abspath(args.manifest or os.environ.get("NEURON_CACHE_MANIFEST")
+                                      or os.path.join(scratch, "manifest.jsonl"))
+        # A fresh record file per warm-up: the recorder appends, and a stale one would compile signatures
         # this job no longer needs.
-        if os.path.exists(manifest):
-            os.remove(manifest)
+        if os.path.exists(record_file):
+            os.remove(record_file)
         job_env = _common.runtime_env(
             args,
             TORCH_NEURONX_COMPILER="reference",
-            TORCH_NEURONX_RECORD_FILE=manifest,
+            TORCH_NEURONX_RECORD_FILE=record_file,
             TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=os.path.join(scratch, "reference-cache"),
             TORCH_NEURONX_NEFF_CACHE_DIR=None,
             TORCH_NEURONX_CACHE_MODE="readwrite",
@@ -167,7 +176,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
             # The recording run's counters are of no use to anyone; keep it off the user's stats file.
             TORCH_NEURONX_STATS_FILE=os.path.join(scratch, "record-stats.json"),
         )
-        print(f"neuron-cache warm: recording {' '.join(job)} (reference tier) -> {manifest}", file=sys.stderr)
+        print(f"neuron-cache warm: recording {' '.join(job)} (reference tier) -> {record_file}", file=sys.stderr)
         t0 = time.monotonic()
         try:
             # With --json, stdout belongs to the summary: the job's own output goes to stderr (fd 2).
@@ -179,13 +188,13 @@ def cmd_warm(args: argparse.Namespace) -> int:
         if rc != 0:
             print(f"neuron-cache warm: the job exited with status {rc}; compiling what it recorded before that",
                   file=sys.stderr)
-        if not os.path.exists(manifest):
-            open(manifest, "w").close()  # the job ran no compiled op (or died first): nothing to compile
-        summary = compile_manifest(cfg, env, manifest, args)
+        if not os.path.exists(record_file):
+            open(record_file, "w").close()  # the job ran no compiled op (or died first): nothing to compile
+        summary = compile_records(cfg, env, record_file, args)
         summary["command"] = "warm"
         summary["job"] = job_info
         if args.manifest or os.environ.get("NEURON_CACHE_MANIFEST"):
-            summary["manifest"] = manifest
+            summary["manifest"] = record_file
         else:
             summary.pop("manifest", None)
         _common.record_run(cfg, _run_log(summary))
@@ -204,7 +213,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                          "`neuron-cache warm --manifest FILE -- JOB`")
     env = _common.runtime_env(args)
     cfg = _common.load_config(env)
-    summary = compile_manifest(cfg, env, os.path.abspath(args.manifest), args)
+    summary = compile_records(cfg, env, os.path.abspath(args.manifest), args)
     summary["command"] = "compile"
     _common.record_run(cfg, _run_log(summary))
     _report(summary, args.json)
@@ -214,9 +223,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ compile
 
 
-def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
+def compile_records(cfg: _config.Config, env: dict[str, str], record_file: str,
                      args: argparse.Namespace) -> dict[str, Any]:
-    """Compile every signature of `manifest` for `cfg`'s tier into its local tier and fleet store.
+    """Compile every signature of `record_file` for `cfg`'s tier into its local tier and fleet store.
     Returns the summary (see docs/cli.md)."""
     jobs = args.jobs if args.jobs is not None else _common.env_int("NEURON_CACHE_JOBS", os.cpu_count() or 1)
     if jobs < 1:
@@ -228,9 +237,9 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
 
     shard = _shard_arg(args)
 
-    # 1-2. the manifest (bad lines reported and skipped), keyed for the target tier, and this shard's part
+    # 1-2. the record file (bad lines reported and skipped), keyed for the target tier, and this shard's part
     compiler = make_compiler(cfg)
-    keyed, errors = key_manifest(manifest, compiler.fingerprint())
+    keyed, errors = key_records(record_file, compiler.fingerprint())
     total = len(keyed)
     if shard is not None:
         keyed = [(rec, key) for rec, key in keyed if shard_of(key, shard[1]) == shard[0]]
@@ -241,7 +250,7 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
     in_local = local.contains_many(keys)
     in_fleet = fleet.contains_many(keys) if fleet is not None else set()
     present = pushed = 0
-    todo: list[tuple[ManifestLine, str]] = []
+    todo: list[tuple[RecordLine, str]] = []
     for rec, key in keyed:
         if key in in_local and (fleet is None or key in in_fleet):
             present += 1
@@ -259,26 +268,19 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
     # 3. compile what is missing
     results: dict[int, dict[str, Any]] = {}
     if todo:
-        worker_env = dict(env)
-        worker_env.update(TORCH_NEURONX_CACHE_MODE="readwrite", TORCH_NEURONX_COMPILER=cfg.compiler)
-        for var in ("TORCH_NEURONX_RECORD_FILE", "TORCH_NEURONX_STATS_FILE"):
-            worker_env.pop(var, None)
-        # One compile per core: the C++ compiler is single-threaded, and OpenMP threads in every worker
-        # would only fight over the cores (an explicit setting wins).
-        worker_env.setdefault("OMP_NUM_THREADS", "1")
         n = min(jobs, len(todo))
         print(f"neuron-cache: compiling {len(todo)} signature(s) for tier {cfg.compiler} with {n} worker(s) "
               f"({present} already present)", file=sys.stderr)
         # Batches (one C++ translation unit each) small enough that the workers finish together.
         batch = max(1, min(cfg.compile_batch, -(-len(todo) // (2 * n))))
-        pool = _Pool(n, worker_env, timeout,
+        pool = _Pool(n, compile_env(cfg, env), timeout,
                      _common.Progress(len(todo), "compile", enabled=not args.no_progress), batch=batch)
         results = pool.run([(i, rec.signature or {}) for i, (rec, _) in enumerate(todo)],
                            [rec.signature["op"] if rec.signature else "?" for rec, _ in todo])
 
     compiled = refused = failed = 0
     failures: list[dict[str, Any]] = []
-    done: dict[str, tuple[ManifestLine, str]] = {}  # key -> (line, "compiled" | "present")
+    done: dict[str, tuple[RecordLine, str]] = {}  # key -> (line, "compiled" | "present")
     for rec, key in keyed:
         done[key] = (rec, "present")
     for i, (rec, key) in enumerate(todo):
@@ -310,7 +312,7 @@ def compile_manifest(cfg: _config.Config, env: dict[str, str], manifest: str,
                              "reason": f"not in the fleet store {cfg.cache_dir} after retries (its writes were "
                                        "skipped: timeouts or an open circuit breaker; see the warnings above)"})
     return {
-        "manifest": manifest,
+        "manifest": record_file,
         "tier": cfg.compiler,
         "local": cfg.local_cache_dir,
         "fleet": cfg.cache_dir,
@@ -377,13 +379,13 @@ def tensor_count(sig: dict[str, Any]) -> int:
 
 
 def compile_order(tasks: list[tuple[int, dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:
-    """The costliest first (otherwise in manifest order), so the last batches are short ones that end
+    """The costliest first (otherwise in record order), so the last batches are short ones that end
     together on every worker: an optimizer's foreach ops, recorded last, would be one worker's long tail."""
     return sorted(tasks, key=lambda t: -tensor_count(t[1]))
 
 
 class _Pool:
-    """N worker processes (`_service._server.WorkerPool`) fed from one queue; a worker that dies or runs
+    """N worker processes (`_service._pool.WorkerPool`) fed from one queue; a worker that dies or runs
     past --timeout costs only its current signature (reported with the reason) and is replaced."""
 
     def __init__(self, n: int, env: dict[str, str], timeout: float | None, progress: _common.Progress,

@@ -5,7 +5,7 @@
     _service/      the compile service: server, client, worker processes (JSON lines, no pickle)
     _entries.py    what a compile stores: an executable's bytes, or a refusal
     _manifest.py   a job's manifest of the keys it used (prefetched on the next run)
-    _record.py     recording signatures for `neuron-cache warm`
+    _record.py     record files: the signatures a job met, for `neuron-cache warm` (the CLI's "manifest")
     _megacache.py  the executables a process used, in `torch.compiler.save_cache_artifacts()` bundles
 
 Imports `cache/`, `compiler/` and `signatures/` below it. What the layers above use is named here;
@@ -24,10 +24,11 @@ from ._resolver import Resolver
 
 # What a resolve answers with, from the layers below (the layers above never import those themselves).
 _VOCABULARY = ["CacheMissError", "CompileRefused", "Compiler", "Executable", "IntegrityError", "TieredCache"]
-__all__ = [*_VOCABULARY, "ManifestLine", "Resolver", "WorkerPool", "ask", "check_signature", "megacache_stats",
-           "parse_line", "read_manifest", "register_megacache", "scan_manifest", "service_dir", "set_provider"]
+__all__ = [*_VOCABULARY, "RecordLine", "Resolver", "WorkerPool", "ask", "check_signature", "megacache_stats",
+           "parse_line", "read_records", "register_megacache", "scan_records", "service_dir", "set_provider",
+           "worker_env"]
 
-_RECORD = frozenset({"ManifestLine", "check_signature", "parse_line", "read_manifest", "scan_manifest"})
+_RECORD = frozenset({"RecordLine", "check_signature", "parse_line", "read_records", "scan_records"})
 _CLIENT = frozenset({"ask", "service_dir"})
 
 
@@ -38,7 +39,9 @@ def __getattr__(name: str) -> Any:
     elif name in _CLIENT:
         from ._service import _client as module
     elif name == "WorkerPool":
-        from ._service import _server as module
+        from ._service import _pool as module
+    elif name == "worker_env":
+        from ._service import _worker as module
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(module, name)

@@ -534,12 +534,9 @@ def service_address(cfg: _config.Config, fingerprint: dict[str, Any]) -> tuple[A
     cannot live in the cache directory). Its name is an HMAC of the identity under a random per-user
     salt kept in that directory, so neither the name nor the service's command line reveals anything
     derived from a secret (the signing key, AWS credentials) to anyone who cannot read the directory."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
-    env.update(_config.to_env(cfg))
-    env["TORCH_NEURONX_COMPILE_MODE"] = "sync"
-    for var in ("TORCH_NEURONX_RECORD_FILE", "TORCH_NEURONX_STATS_FILE", "TORCH_NEURONX_JOB"):
-        env.pop(var, None)
-    env["OMP_NUM_THREADS"] = "1"  # one compile per worker; OpenMP threads would fight over the cores
+    from ._service._worker import worker_env
+
+    env = worker_env(cfg)  # the service passes it on to its workers
     try:  # a local tier deleted and made anew is another tier: a service still writing to the old one
         st = os.stat(cfg.local_cache_dir)  # (deleted files) must not serve this process
         local_id = [st.st_dev, st.st_ino]

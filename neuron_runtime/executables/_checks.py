@@ -25,13 +25,12 @@ import os
 import re
 from typing import Any
 
-from ..signatures import OPT_TENSOR, OPT_TENSORS, SCALAR, SCALARS, TENSOR, TENSORS, VALUE, is_class, resolve_op
+from ..signatures import LIST_KINDS, SCALAR, SCALARS, TENSOR_KINDS, VALUE, is_class, nodes_of, resolve_op
 from ._record import check_signature
 
 MAX_RANK = 64
 _OP_NAME = re.compile(r"aten::[a-z_][a-z0-9_]*(\.[A-Za-z0-9_]+)?")
-_KINDS = frozenset({TENSOR, OPT_TENSOR, TENSORS, OPT_TENSORS, SCALAR, SCALARS,
-                    VALUE})
+_KINDS = TENSOR_KINDS | {SCALAR, SCALARS, VALUE}  # every argument kind a signature may name
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,16 +54,13 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _ops_of(sig: dict[str, Any]) -> list[tuple[dict[str, Any], bool]]:
-    """Every op signature in `sig` (a fused group's nodes; a class's and its example's), each with
-    whether its sizes may be symbols (a shape class's own, never an exact signature's)."""
-    out: list[tuple[dict[str, Any], bool]] = []
+def _ops_to_check(sig: dict[str, Any]) -> list[tuple[dict[str, Any], bool]]:
+    """`nodes_of(sig)`, and of a shape class's example too, each with whether its sizes may be symbols
+    (a shape class's own, never an exact signature's)."""
     parts = [(sig, is_class(sig))]
     if isinstance(sig.get("example"), dict):
         parts.append((sig["example"], False))
-    for s, symbolic in parts:
-        out.extend((n["sig"], symbolic) for n in s["graph"]) if "graph" in s else out.append((s, symbolic))
-    return out
+    return [(op, symbolic) for s, symbolic in parts for op in nodes_of(s)]
 
 
 def check_bounds(sig: dict[str, Any], max_bytes: int | None = None) -> dict[str, Any]:
@@ -72,9 +68,11 @@ def check_bounds(sig: dict[str, Any], max_bytes: int | None = None) -> dict[str,
     check_signature(sig)
     limit = max_example_bytes() if max_bytes is None else max_bytes
     total = 0
-    for op, symbolic in _ops_of(sig):
+    for op, symbolic in _ops_to_check(sig):
         for name, kind, desc in op["args"]:
-            for d in desc if kind in (TENSORS, OPT_TENSORS) and isinstance(desc, list) else [desc]:
+            # (not `tensors_in`: whatever claims sizes is bounded, under any kind, and a list kind's
+            # non-list value too)
+            for d in desc if kind in LIST_KINDS and isinstance(desc, list) else [desc]:
                 if not (isinstance(d, dict) and "sizes" in d):
                     continue
                 sizes, strides, dtype = d.get("sizes"), d.get("strides"), d.get("dtype")
@@ -113,7 +111,7 @@ def _schema(qualname: str) -> tuple[str, tuple[str, ...]] | None:
 def check_known(sig: dict[str, Any]) -> dict[str, Any]:
     """`sig` (structurally checked) if every op in it is one of this torch's, named with its own schema."""
     check_signature(sig)
-    for op, _ in _ops_of(sig):
+    for op, _ in _ops_to_check(sig):
         name = op["op"]
         known = _schema(name) if isinstance(name, str) else None
         if known is None:

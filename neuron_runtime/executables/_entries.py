@@ -4,7 +4,8 @@ A refusal is cached like an artifact (an envelope whose header carries `refused`
 empty), so a fleet asks the compiler about an op it cannot compile once, not once per host and run, and a
 strict-mode job finds the answer in the cache (the op runs on the host, as everywhere else) instead of
 failing on a miss. A refusal names the neuron-runtime version that made it: another version may compile
-the op (refusals are often our own gaps, fixed later), so it asks the compiler again (`stale_refusal`).
+the op (refusals are often our own gaps, fixed later), so it asks the compiler again (`stale_refusal`,
+`must_recompile`; `get_or_compile` is where every compile that stores an entry applies that).
 
 Only a verdict about the op is cached. A failure that says something about this host or this moment (a
 full disk, memory, a compiler killed or timed out, a CPU below the target: `transient`) is a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import subprocess
+from collections.abc import Callable
 from typing import Any
 
 from .. import _profiling, _version
@@ -21,6 +23,7 @@ from ..compiler import Compiled, Compiler, CompileRefused
 from ..signatures import kind_of
 
 REFUSED = "refused"
+RECOMPILED = "recompiled"  # `get_or_compile`'s "where" for a stale refusal it compiled again and replaced
 
 
 class HostRefused(CompileRefused):
@@ -62,14 +65,20 @@ def transient(e: BaseException) -> str | None:
     return None
 
 
+def compile_one(compiler: Compiler, sig: dict[str, Any], key: str) -> Compiled:
+    """The compiler's result for one signature (never raises for the op: a failure is the result's
+    `error`), inside the profiler's compile range for `key`."""
+    with _profiling.compile_span(sig, key, kind_of(sig)):
+        return compiler.compile_many([sig])[0]
+
+
 def build_entry(cache: Any, compiler: Compiler, key: str, sig: dict[str, Any], fingerprint: dict[str, Any],
                 producer: str | None = None, compiled: Compiled | None = None) -> bytes:
     """Compile `sig` (unless `compiled` is its result already, e.g. from a batch) and pack the envelope
     for `key`; a refusal becomes a refusal entry. The header keeps the compile's seconds per phase
     (`"compile"`: what `neuron-cache stats` reports)."""
     if compiled is None:
-        with _profiling.compile_span(sig, key, kind_of(sig)):
-            compiled = compiler.compile_many([sig])[0]
+        compiled = compile_one(compiler, sig, key)
     header: dict[str, Any] = {"signature": sig, "fingerprint": fingerprint}
     if producer:
         header["producer"] = producer
@@ -100,6 +109,22 @@ def check(entry: Any) -> None:
 def stale_refusal(entry: Any) -> bool:
     """`entry` is a refusal made by another neuron-runtime version (so worth asking the compiler again)."""
     return bool(entry.header.get(REFUSED)) and entry.header.get("runtime") != _version.__version__
+
+
+def must_recompile(entry: Any, cache_mode: str) -> bool:
+    """A found `entry` (None: nothing found) the compiler must be asked about again: a stale refusal,
+    except in strict mode, which never compiles (the old refusal stands: the op runs on the host)."""
+    return entry is not None and cache_mode != "strict" and stale_refusal(entry)
+
+
+def get_or_compile(cache: Any, key: str, compile_entry: Callable[[], bytes], cache_mode: str) -> tuple[Any, str]:
+    """`cache.get_or_compile(key, compile_entry)` (single-flight; CacheMissError in strict mode), with a
+    stale refusal it finds compiled again and put in its place (`must_recompile`, `replace`): then the
+    "where" is `RECOMPILED` (the tiers did not count that compile; the caller does if it counts)."""
+    entry, where = cache.get_or_compile(key, compile_entry)
+    if where != "compiled" and must_recompile(entry, cache_mode):
+        return replace(cache, key, compile_entry), RECOMPILED
+    return entry, where
 
 
 def replace(cache: Any, key: str, compile_entry: Any) -> Any:

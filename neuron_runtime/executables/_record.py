@@ -1,9 +1,11 @@
-"""TORCH_NEURONX_RECORD_FILE: append every new op signature of this process to a manifest.
+"""TORCH_NEURONX_RECORD_FILE: append every new op signature of this process to a record file.
 
-The manifest is JSON lines, one `{"op": ..., "signature": {...}}` per distinct signature, written as
-they are first seen (a job that crashes midway leaves what it recorded). `neuron-cache warm` and
-`neuron-cache compile` read it with `scan_manifest`, which keeps going past a bad line and reports it by
-line number, so one damaged line never costs the other signatures their compile.
+A record file is JSON lines, one signature record `{"op": ..., "signature": {...}}` per distinct
+signature, written as they are first seen (a job that crashes midway leaves what it recorded).
+`neuron-cache warm` and `neuron-cache compile` read it with `scan_records`, which keeps going past a bad
+line and reports it by line number, so one damaged line never costs the other signatures their compile.
+(The CLI calls this file a "manifest" (`--manifest`, NEURON_CACHE_MANIFEST), the name users know; in the
+code a manifest is only a job's manifest of executables, `_manifest.py`.)
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..signatures import build_signature, canonical
+from ..signatures import build_signature, canonical, has_nodes
 
 
-class ManifestError(ValueError):
-    """A manifest line that is not a signature record; `line` is its 1-based line number."""
+class RecordError(ValueError):
+    """A record file's line that is not a signature record; `line` is its 1-based line number."""
 
     def __init__(self, path: str, line: int, reason: str) -> None:
         self.path = path
         self.line = line
         self.reason = reason
+        # (users know the file as `--manifest`: the message keeps their word)
         super().__init__(f"{path}:{line}: not a manifest line ({reason}); expected "
                          '{"op": ..., "signature": {"op": ..., "schema": ..., "args": [...]}}')
 
@@ -43,7 +46,7 @@ class Recorder:
                 return
             self._seen.add(line)
             # O_APPEND and one write per line: several processes of one job (data-parallel ranks) may
-            # record into the same manifest without interleaving inside a line.
+            # record into the same file without interleaving inside a line.
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, (line + "\n").encode())
@@ -55,12 +58,12 @@ def check_signature(sig: Any) -> dict[str, Any]:
     """`sig` if it has the shape `build_signature` produces; ValueError naming what is wrong otherwise.
 
     Structural only: whether the op exists and compiles is the compiler's business (a refusal there is
-    reported per signature, not as a bad manifest line)."""
+    reported per signature, not as a bad record)."""
     if not isinstance(sig, dict):
         raise ValueError(f"signature must be a JSON object, not {type(sig).__name__}")
     if not isinstance(sig.get("op"), str) or not sig["op"]:
         raise ValueError("signature has no 'op' string")
-    if "graph" in sig:  # a torch.compile graph or a fused group: a list of op signatures and their wiring
+    if has_nodes(sig):  # a torch.compile graph or a fused group: a list of op signatures and their wiring
         nodes, outputs = sig["graph"], sig.get("outputs")
         if not isinstance(nodes, list) or not nodes or not isinstance(outputs, list):
             raise ValueError("a graph signature needs a non-empty 'graph' list and an 'outputs' list")
@@ -91,7 +94,7 @@ def check_signature(sig: Any) -> dict[str, Any]:
 
 
 def parse_line(text: str) -> dict[str, Any]:
-    """The signature of one manifest line. Also accepts a bare signature object (what strict-mode errors
+    """The signature of one signature record (a line). Also accepts a bare signature object (what strict-mode errors
     and `neuron-cache explain` print). Raises ValueError with the reason."""
     try:
         rec = json.loads(text)
@@ -106,14 +109,14 @@ def parse_line(text: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class ManifestLine:
+class RecordLine:
     line: int
     signature: dict[str, Any] | None  # None when the line is bad
-    error: ManifestError | None = None
+    error: RecordError | None = None
 
 
-def scan_manifest(path: str) -> Iterator[ManifestLine]:
-    """Every non-empty line of a manifest, parsed, duplicates dropped; bad lines come back with `error`
+def scan_records(path: str) -> Iterator[RecordLine]:
+    """Every non-empty line of a record file, parsed, duplicates dropped; bad lines come back with `error`
     set instead of stopping the scan."""
     seen: set[str] = set()
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -124,19 +127,19 @@ def scan_manifest(path: str) -> Iterator[ManifestLine]:
             try:
                 sig = parse_line(text)
             except ValueError as e:
-                yield ManifestLine(n, None, ManifestError(path, n, str(e)))
+                yield RecordLine(n, None, RecordError(path, n, str(e)))
                 continue
             key = canonical(sig).decode()
             if key not in seen:
                 seen.add(key)
-                yield ManifestLine(n, sig)
+                yield RecordLine(n, sig)
 
 
-def read_manifest(path: str) -> list[dict[str, Any]]:
-    """The signatures of a manifest (duplicates removed). Raises `ManifestError` (a ValueError) naming
-    the first bad line; use `scan_manifest` to keep going past bad lines."""
+def read_records(path: str) -> list[dict[str, Any]]:
+    """The signatures of a record file (duplicates removed). Raises `RecordError` (a ValueError) naming
+    the first bad line; use `scan_records` to keep going past bad lines."""
     out: list[dict[str, Any]] = []
-    for rec in scan_manifest(path):
+    for rec in scan_records(path):
         if rec.error is not None:
             raise rec.error
         assert rec.signature is not None

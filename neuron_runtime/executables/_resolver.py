@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import _config, _profiling
 from ..cache import CacheMissError, TieredCache
-from ..compiler import CompileRefused, Compiler, Executable, PhaseTimes, get_compiler
+from ..compiler import Compiled, CompileRefused, Compiler, Executable, PhaseTimes, get_compiler
 from ..signatures import cache_key, canonical, is_class, is_flat, kind_of, policy_allows, shape_classes
 from . import _entries, _megacache
 
@@ -160,20 +160,29 @@ class Resolver:
             if exe is None and k in self.unloadable:
                 continue
             if exe is None and cache is not None:
-                entry = cache.get_local(k)
-                if entry is None or _entries.stale_refusal(entry):
-                    continue
-                if entry.header.get(_entries.REFUSED):
-                    self.used(k, entry, refusal=True)
+                try:
+                    exe = self._local(cache, k, cand)
+                except _entries.HostRefused:
+                    raise  # the op runs on the host
+                except CompileRefused as e:
                     if k == keys[-1]:
-                        raise CompileRefused(str(entry.header[_entries.REFUSED]))
+                        raise
                     with self.lock:
-                        self.refused_classes[k] = str(entry.header[_entries.REFUSED])
+                        self.refused_classes[k] = str(e)
                     continue
-                exe = self.remember(k, cand, self.load_entry(k, entry))  # HostRefused: the op runs on the host
             if exe is not None:
                 return exe, k
         return None
+
+    def _local(self, cache: TieredCache, k: str, cand: dict[str, Any]) -> Executable | None:
+        """Candidate `cand`'s executable (key `k`) from the local tier, or None if that holds nothing this
+        call takes as an answer: no entry, or a refusal by another neuron-runtime version (the blocking
+        path decides about that one: `_entries.get_or_compile`). A cached refusal raises CompileRefused,
+        an entry this host cannot use `HostRefused` (the op runs on the host; nothing is deleted)."""
+        entry = cache.get_local(k)
+        if entry is None or _entries.stale_refusal(entry):
+            return None
+        return self.remember(k, cand, self.load_entry(k, entry))
 
     def _resolve_background(self, digest: str, sig: dict[str, Any]) -> tuple[Executable | None, str]:
         bg = self.background
@@ -193,16 +202,16 @@ class Resolver:
                 continue
             exe = self.by_digest.get(k)
             if exe is None:
-                entry = cache.get_local(k)
-                if entry is None or _entries.stale_refusal(entry):
-                    continue
-                if entry.header.get(_entries.REFUSED):
-                    self.used(k, entry, refusal=True)
+                try:
+                    exe = self._local(cache, k, cand)
+                except _entries.HostRefused:
+                    raise  # the op runs on the host
+                except CompileRefused:
                     if not last:
                         continue  # e.g. this class has no generic kernel: the next candidate
-                    raise CompileRefused(str(entry.header[_entries.REFUSED]))
-                # HostRefused (this host cannot use it): the op runs on the host, nothing is deleted.
-                exe = self.remember(k, cand, self.load_entry(k, entry))
+                    raise
+                if exe is None:
+                    continue
             if k != digest:
                 self.link(digest, k, sig)
             return exe, digest
@@ -389,39 +398,34 @@ class Resolver:
             self.count("misses")
             if self.cfg.cache_mode == "strict":
                 raise CacheMissError(digest, self.strict_message(digest, sig))
-            with _profiling.compile_span(sig, digest, kind_of(sig)):
-                result = self.compiler.compile_many([sig])[0]
-            self.phase_times.add(result.phases)
-            payload = result.unwrap()
+            payload = self._compile(sig, digest).unwrap()
             self.count("compiles")
             self.count_kind(sig)
             return self.compiler.load(payload)
 
         def compile_entry() -> bytes:
             log.info("compiling %s", sig["op"])
-            with _profiling.compile_span(sig, digest, kind_of(sig)):
-                result = self.compiler.compile_many([sig])[0]
-            self.phase_times.add(result.phases)
+            result = self._compile(sig, digest)
             entry = _entries.build_entry(cache, self.compiler, digest, sig, self.fingerprint, compiled=result)
             self.count_kind(sig)
             return entry
 
         try:
-            entry, where = cache.get_or_compile(digest, compile_entry)
+            entry, where = _entries.get_or_compile(cache, digest, compile_entry, self.cfg.cache_mode)
         except CacheMissError as e:
             raise CacheMissError(digest, self.strict_message(digest, sig)) from e
-        if where != "compiled" and _entries.stale_refusal(entry) and self.cfg.cache_mode != "strict":
-            # Refused by another neuron-runtime version: this one may compile it.
-            entry = self._replace(cache, digest, compile_entry)
+        if where == _entries.RECOMPILED:
+            self.count("compiles")  # a stale refusal compiled again (the tiers count only their own compiles)
         # A cached refusal raises CompileRefused (the op runs on the host without asking the compiler); an
         # entry this host cannot use raises HostRefused and stays in every tier as it is: other hosts may
         # load it, and only a digest or HMAC failure proves an entry bad (the tiers quarantine those).
         return self.load_entry(digest, entry)
 
-    def _replace(self, cache: TieredCache, digest: str, compile_entry: Callable[[], bytes]) -> Any:
-        entry = _entries.replace(cache, digest, compile_entry)
-        self.count("compiles")
-        return entry
+    def _compile(self, sig: dict[str, Any], digest: str) -> Compiled:
+        """One compile of `sig` (its seconds per phase go to `stats()`); the compiler's result."""
+        result = _entries.compile_one(self.compiler, sig, digest)
+        self.phase_times.add(result.phases)
+        return result
 
     def count_kind(self, sig: dict[str, Any]) -> None:
         """A compile of an op, a fused group or a torch.compile graph (`stats()["compiles_by_kind"]`)."""

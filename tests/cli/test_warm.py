@@ -201,3 +201,34 @@ def test_costliest_signatures_are_handed_out_first() -> None:
     assert (tensor_count(foreach), tensor_count(add), tensor_count(arange)) == (3, 2, 0)
     tasks = list(enumerate([arange, add, foreach, add]))
     assert [i for i, _ in compile_order(tasks)] == [2, 1, 3, 0]
+
+
+def test_warm_and_the_compile_service_give_workers_the_same_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One rule (`worker_env`): a worker runs exactly the configuration, never records, writes no stats
+    # and fetches no job manifest; one OpenMP thread unless neuron-cache's user set OMP_NUM_THREADS.
+    from neuron_runtime import _config
+    from neuron_runtime.cli._warm import compile_env
+    from neuron_runtime.executables._background import service_address
+
+    for var in [k for k in os.environ if k.startswith("TORCH_NEURONX_")] + ["OMP_NUM_THREADS"]:
+        monkeypatch.delenv(var, raising=False)
+    inherited = {"TORCH_NEURONX_COMPILER": "reference", "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(tmp_path),
+                 "TORCH_NEURONX_RECORD_FILE": str(tmp_path / "r.jsonl"), "TORCH_NEURONX_JOB": "llama",
+                 "TORCH_NEURONX_STATS_FILE": str(tmp_path / "s.json"), "TORCH_NEURONX_COMPILE_MODE": "background",
+                 "TORCH_NEURONX_CACHE_SIGNING_KEY": "k" * 32}
+    for k, v in inherited.items():
+        monkeypatch.setenv(k, v)
+    cfg = _config.load(dict(os.environ))
+    service = service_address(cfg, {"tier": "reference"})[2]
+    warm = compile_env(cfg, dict(os.environ))
+    assert warm == service
+    dropped = {"TORCH_NEURONX_RECORD_FILE", "TORCH_NEURONX_STATS_FILE", "TORCH_NEURONX_JOB"}
+    assert {k: v for k, v in warm.items() if k.startswith("TORCH_NEURONX_")} == {
+        **{k: v for k, v in _config.to_env(cfg).items() if k not in dropped}, "TORCH_NEURONX_COMPILE_MODE": "sync"}
+    assert warm["OMP_NUM_THREADS"] == "1" and "TORCH_NEURONX_CACHE_SIGNING_KEY_HEX" in warm
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # docs/cli.md: the user's setting wins for neuron-cache...
+    assert compile_env(cfg, dict(os.environ))["OMP_NUM_THREADS"] == "4"
+    # ...while a training process's is its own compute's, not its compile service's workers'.
+    assert service_address(cfg, {"tier": "reference"})[2]["OMP_NUM_THREADS"] == "1"

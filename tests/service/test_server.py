@@ -105,6 +105,19 @@ def compile_request(key: str, sig: dict[str, Any]) -> dict[str, Any]:
     return {"op": "compile", "key": key, "payload": {"signatures": [sig], "key": key}, "priority": 0}
 
 
+def test_the_service_runs_on_the_standard_library_alone() -> None:
+    # As the runtime starts it (by path), with no site-packages at all: the service and its worker pool
+    # load, and nothing outside the standard library (torch least of all) is imported; then it runs.
+    here = os.path.dirname(_client.SERVER)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import _server; own = {'__main__', '_server', '_client', '_pool'}; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] not in sys.stdlib_module_names | own))")
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code, here], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-E", "-s", "-S", _client.SERVER, "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "--socket" in r.stdout, r.stderr
+
+
 def test_bad_lines_get_an_error_and_the_connection_goes_on(service: tuple[str, subprocess.Popen[str]]) -> None:
     path, _ = service
     c = Client(path)

@@ -2,6 +2,12 @@
 
     training process ──▶ ServiceClient ──Unix socket, JSON lines──▶ Server (_server.py, no torch)
       (_background.py)     (_client.py)                               └─ WorkerPool ──▶ _worker.py × N
+                                                                         (_pool.py)
+
+    _server.py  the service: socket, clients, one job per key, the bounded queue (standard library only)
+    _pool.py    `WorkerPool`: the worker processes and their faults (also `neuron-cache warm/compile`'s)
+    _client.py  a process's connection to the service, started on demand; the private socket directory
+    _worker.py  one compile worker (the only one here that imports torch); `worker_env`, its environment
 
 Lifecycle. One service per host and configuration (tier, compiler fingerprint, cache tiers, signing key,
 timeouts: its socket's name is an HMAC of them under a per-user salt, in the private

@@ -24,9 +24,9 @@ then each entry goes through `TieredCache.get_or_compile` as a single one would:
 host wrote meanwhile is taken from the tiers, and a signature that fails costs only its own answer.
 `seconds` of a batched task is its share of the batch; `phases` its seconds per compile phase.
 
-The configuration comes from the environment the parent prepared (tier, local tier, fleet store, signing
-key), and every entry goes through the same `TieredCache` the runtime uses, so host and fleet
-single-flight apply between workers and between hosts warming the same store.
+The configuration comes from the environment the parent prepared with `worker_env` (tier, local tier,
+fleet store, signing key), and every entry goes through the same `TieredCache` the runtime uses, so host
+and fleet single-flight apply between workers and between hosts warming the same store.
 """
 
 from __future__ import annotations
@@ -40,7 +40,39 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from typing import IO, Any
+
+from ... import _config
+
+# A worker compiles and nothing else: it never records signatures, never writes a stats file, and never
+# fetches (or writes) a job's manifest of executables.
+_NOT_FOR_WORKERS = ("TORCH_NEURONX_RECORD_FILE", "TORCH_NEURONX_STATS_FILE", "TORCH_NEURONX_JOB")
+
+
+def worker_env(cfg: _config.Config, environ: Mapping[str, str] | None = None,
+               keep_omp_threads: bool = False) -> dict[str, str]:
+    """The environment of a compile worker that compiles for `cfg`: the one rule for the compile
+    service's workers and for `neuron-cache warm/compile`'s.
+
+      1. `environ` (default: os.environ) less every `TORCH_NEURONX_*` variable, then `cfg`'s own
+         (`_config.to_env`): the worker runs exactly `cfg`, whatever else was inherited;
+      2. synchronous compiles, and none of `_NOT_FOR_WORKERS` (no recording, stats or job manifest);
+      3. OMP_NUM_THREADS=1: one compile per worker, and OpenMP threads in every worker would only fight
+         over the cores. With `keep_omp_threads`, an OMP_NUM_THREADS in `environ` wins: `neuron-cache`'s
+         user set it for the compile itself (docs/cli.md), whereas a training process's is its own
+         compute's, never a request to its compile service's workers.
+
+    Secrets (the signing key) are in it: never put it on a command line."""
+    inherited = os.environ if environ is None else environ
+    env = {k: v for k, v in inherited.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(_config.to_env(cfg))
+    env["TORCH_NEURONX_COMPILE_MODE"] = "sync"
+    for var in _NOT_FOR_WORKERS:
+        env.pop(var, None)
+    if not (keep_omp_threads and "OMP_NUM_THREADS" in env):
+        env["OMP_NUM_THREADS"] = "1"
+    return env
 
 
 def _protocol_stream() -> IO[str]:
@@ -169,7 +201,7 @@ class _Worker:
             for t in open_:
                 key = t["keys"][t["at"]]
                 entry, _ = self.cache.get_entry(key)
-                if entry is not None and _entries.stale_refusal(entry) and self.cfg.cache_mode != "strict":
+                if _entries.must_recompile(entry, self.cfg.cache_mode):
                     entry = None  # another version refused it: ask the compiler again
                 t["entry"] = entry
                 if entry is None:
@@ -218,11 +250,7 @@ class _Worker:
             return _entries.build_entry(self.cache, self.compiler, key, sig, self.fp, self.producer, compiled)
 
         if compiled is not None and t.get("entry") is None:
-            known, _ = self.cache.get_entry(key)
-            if known is not None and _entries.stale_refusal(known):
-                entry, where = _entries.replace(self.cache, key, compile_entry), "compiled"
-            else:
-                entry, where = self.cache.get_or_compile(key, compile_entry)
+            entry, where = _entries.get_or_compile(self.cache, key, compile_entry, self.cfg.cache_mode)
         else:
             entry, where = t["entry"], "present"
         try:
@@ -232,7 +260,7 @@ class _Worker:
                 return False  # e.g. no generic kernel for this class: the next candidate
             t["answer"].update(status="refused", reason=str(e))
             return True
-        t["answer"].update(found=key, status="compiled" if where == "compiled" else "present")
+        t["answer"].update(found=key, status="compiled" if where in ("compiled", _entries.RECOMPILED) else "present")
         if self.cache.local.get(key) is None:
             # The local tier refused the write (full disk, read-only directory): the entry travels in the
             # answer instead, and the parent verifies it as it would a tier's.
