@@ -226,6 +226,10 @@ def load(env: dict[str, str] | None = None) -> Config:
     return cfg
 
 
+# Flags whose variable says the opposite of their field (DISABLE_... sets graph_fallback False).
+_INVERTED = frozenset({"TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"})
+
+
 def to_env(cfg: Config) -> dict[str, str]:
     """`cfg` as the environment variables that `load` reads back into an equal Config (the signing key
     included, as hex: any bytes): what a process started on the runtime's behalf needs to run the same
@@ -235,7 +239,11 @@ def to_env(cfg: Config) -> dict[str, str]:
         value = getattr(cfg, field)
         if value is None:
             continue
-        env[name] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        if isinstance(value, bool):
+            value = value != (name in _INVERTED)
+            env[name] = "1" if value else "0"
+        else:
+            env[name] = str(value)
     if cfg.signing_key is not None:
         env["TORCH_NEURONX_CACHE_SIGNING_KEY_HEX"] = cfg.signing_key.hex()
     return env
