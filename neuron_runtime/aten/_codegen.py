@@ -39,6 +39,19 @@ def _tensor_key(x: str) -> str:
     return f"({x}.dtype, {x}.shape, {x}.stride())"
 
 
+#: Argument kinds keyed and fed by expressions of the argument alone (`{n}`, its name): its key item, the
+#: list it adds to (`tens`: the executable's tensors, `scal`: its scalars, "": none) and what it adds.
+_BY_KIND: dict[str, tuple[str, str, str]] = {
+    OPT_TENSOR: (f"(None if {{n}} is None else {_tensor_key('{n}')})",
+                 "tens", "*(() if {n} is None else (_zAL({n}),))"),
+    OPT_TENSORS: (f"tuple([None if _zt is None else {_tensor_key('_zt')} for _zt in {{n}}])",
+                  "tens", "*[_zAL(_zt) for _zt in {n} if _zt is not None]"),
+    SCALARS: ("(None if {n} is None else tuple([_zs.__class__ for _zs in {n}]))",
+              "scal", "*(() if {n} is None else {n})"),
+    VALUE: ("(tuple({n}) if {n}.__class__ is list else {n})", "", ""),
+}
+
+
 @dataclasses.dataclass
 class _Parts:
     """What a kernel's arguments contribute to its source: statements and expressions."""
@@ -112,25 +125,19 @@ def _arg_parts(info: OpInfo) -> _Parts:
             p.key_items.append(f"_zk{j}")
             p.tens.append(f"_zc{j}")
             p.mutated[n] = f"_zc{j}"
-        elif k == OPT_TENSOR:
-            p.key_items.append(f"(None if {n} is None else {_tensor_key(n)})")
-            p.tens.append(f"*(() if {n} is None else (_zAL({n}),))")
         elif k == TENSORS:
             p.key_items.append(f"tuple([{_tensor_key('_zt')} for _zt in {n}])")
             p.alias_lines.append(f"_zl{j} = [_zAL(_zt) for _zt in {n}]")
             p.tens.append(f"*_zl{j}")
             p.mutated[n] = f"_zl{j}"
-        elif k == OPT_TENSORS:
-            p.key_items.append(f"tuple([None if _zt is None else {_tensor_key('_zt')} for _zt in {n}])")
-            p.tens.append(f"*[_zAL(_zt) for _zt in {n} if _zt is not None]")
         elif k == SCALAR:
             p.key_items.append(f"{n}.__class__")
             p.scal.append(f"*(() if {n} is None else ({n},))" if a.optional else n)
-        elif k == SCALARS:
-            p.key_items.append(f"(None if {n} is None else tuple([_zs.__class__ for _zs in {n}]))")
-            p.scal.append(f"*(() if {n} is None else {n})")
-        elif k == VALUE:
-            p.key_items.append(f"(tuple({n}) if {n}.__class__ is list else {n})")
+        elif k in _BY_KIND:
+            key_item, into, item = _BY_KIND[k]
+            p.key_items.append(key_item.format(n=n))
+            if into:
+                (p.tens if into == "tens" else p.scal).append(item.format(n=n))
         else:  # pragma: no cover - classify() never sends these here
             raise AssertionError(f"{info.qualname}: {n} of kind {k}")
     return p
