@@ -434,6 +434,3 @@ def _forget_native() -> None:
     """The native hit path keeps its own table of the executables in `_EXES`: empty it with them."""
     if NATIVE is not None:
         NATIVE.clear()
-
-
-# --------------------------------------------------------------------------------------------------
