@@ -26,6 +26,7 @@ before the first case. Cases:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -40,15 +41,25 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
+# The module holding `runtime()`: today's, then `--old` code's (before issue 38; before the layout of issue 28).
+_RUNTIME_MODULES = ("neuron_runtime.aten._runtime", "neuron_runtime.aten._dispatch", "neuron_runtime._dispatch")
+
+
+def _runtime_module() -> Any:
+    for name in _RUNTIME_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(f"none of {_RUNTIME_MODULES} holds the runtime")
+
+
 def child(args: argparse.Namespace) -> None:
     t_import = time.perf_counter()
     import torch
 
     import neuron_runtime
-    try:
-        from neuron_runtime.aten import _dispatch
-    except ImportError:  # `--old` code from before the layout of issue 28
-        from neuron_runtime import _dispatch  # type: ignore[no-redef]
+    _runtime = _runtime_module()
 
     torch.manual_seed(0)
     wide = args.variant == "wide"
@@ -104,7 +115,7 @@ def child(args: argparse.Namespace) -> None:
         "steps": step, "steps_with_host_runs": sum(1 for h in host if h), "max_step_s": round(max(times), 4),
         "median_step_ms": round(1000 * sorted(rest)[len(rest) // 2], 3), "compiles": s["compiles"],
         "prefetched_before_first_op": prefetched_before, "background": s.get("background"),
-        "hits": s["hits"], "fallback_ops": s["fallback_ops"], "keys": sorted(_dispatch.runtime().by_digest),
+        "hits": s["hits"], "fallback_ops": s["fallback_ops"], "keys": sorted(_runtime.runtime().by_digest),
         "compile_phases": s.get("compile_phases"), "loss_last": losses[-1],
         "load_before": json.loads(os.environ.get("NEURON_BENCH_LOAD_BEFORE", "null")), "load_after": os.getloadavg()}))
 
@@ -196,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         env = case.env(root / "fingerprint")
         if code:
             env["PYTHONPATH"] = code
-        subprocess.run([sys.executable, "-c", "try:\n from neuron_runtime.aten import _dispatch\n"
-                        "except ImportError:\n from neuron_runtime import _dispatch\n_dispatch.runtime()"],
+        subprocess.run([sys.executable, "-c", f"import importlib\nfor m in {_RUNTIME_MODULES!r}:\n"
+                        " try:\n  r = importlib.import_module(m)\n except ImportError:\n  continue\n"
+                        " r.runtime()\n break"],
                        env=env, check=True, cwd=code)
     try:
         keys: list[str] = []

@@ -44,11 +44,11 @@ import json, statistics, sys, time
 import neuron_runtime
 from neuron_runtime import _config
 from neuron_runtime.cache import envelope
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 from neuron_runtime.cache import LocalCache
 cfg = _config.get()
 local = LocalCache(cfg.local_cache_dir, cfg.cache_max_size)
-compiler = _dispatch.runtime().compiler
+compiler = _runtime.runtime().compiler
 ms = []
 for e in local.entries():
     t0 = time.perf_counter()

@@ -80,7 +80,7 @@ def _cold() -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import neuron_runtime
-    from neuron_runtime.aten import _dispatch
+    from neuron_runtime.aten import _runtime
 
     dist.init_process_group("neuron")
     torch.manual_seed(0)
@@ -94,7 +94,7 @@ def _cold() -> int:
         opt.step()
         opt.zero_grad()
     neuron_runtime.wait_for_compiles(600)
-    mine = {"compiles": neuron_runtime.stats()["compiles"], "keys": sorted(_dispatch.runtime().by_digest),
+    mine = {"compiles": neuron_runtime.stats()["compiles"], "keys": sorted(_runtime.runtime().by_digest),
             "s": time.perf_counter() - t0}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

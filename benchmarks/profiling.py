@@ -34,7 +34,7 @@ from typing import Any
 
 JOB = r"""
 import json, sys, time, torch, neuron_runtime
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 from torch.profiler import profile, record_function
 workload, trace, dev = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.manual_seed(0)
@@ -74,7 +74,7 @@ for i in range(1, 8):  # until a step runs no op on the host (background mode co
     if neuron_runtime.stats()["host_runs"] == before and i >= 3:
         break
 out["hit"] = profiled(0, "hit")
-bg = _dispatch.runtime().resolver._background
+bg = _runtime.runtime().resolver._background
 out["bg_tid"] = bg.thread.native_id if bg is not None and bg.thread is not None else None
 s = neuron_runtime.stats()
 out.update(compiles=s["compiles"], compiles_by_kind=s["compiles_by_kind"], host_runs=s["host_runs"],

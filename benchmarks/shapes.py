@@ -177,7 +177,7 @@ for name, (op, make) in cases.items():
     values = make()
     sig = _signature.build(info, values)
     exes = {"static": comp.load(comp.compile(sig)), "generic": comp.load(comp.compile(_shapes.shape_class(sig)))}
-    from neuron_runtime.aten._dispatch import flatten
+    from neuron_runtime.aten._host import flatten
     tensors, scalars = flatten(info, values)
     times = {k: [] for k in exes}
     for _ in range(rounds):

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from ..signatures import FACTORY_OUT, classify, resolve_op
-from . import _dispatch, _generic, _widen
-from ._dispatch import _copy_back_out, alias, wrap
+from . import _codegen, _generic, _widen
+from ._host import alias, copy_back_out, wrap
+from ._runtime import runtime
 
 def efficientzerotensor(size: list[int], *, dtype: Any = None, layout: Any = None, device: Any = None,
                         pin_memory: Any = None) -> torch.Tensor:
@@ -86,8 +87,8 @@ def _factory_out(functional: str) -> Callable[..., Any]:
         if not cell:
             info = classify(f"aten::{functional}", special=False)
             info.kind, info.reason = "compute", ""  # classify() calls a device factory "host"
-            cell.append(_dispatch._codegen(info))
-        _copy_back_out(out, alias(cell[0](*args, dtype=out.dtype, **kwargs)))
+            cell.append(_codegen.generate(info))
+        copy_back_out(out, alias(cell[0](*args, dtype=out.dtype, **kwargs)))
         return out
 
     return kernel
@@ -134,7 +135,7 @@ def _composite_widen(name: str) -> Callable[..., Any]:
             return op.decompose(*args, **kwargs)
         up = [a.to(torch.float32) if isinstance(a, torch.Tensor) and a.dtype == torch.float16 else a for a in args]
         want = _widen.result_dtypes(op, list(args), kwargs)
-        _dispatch.runtime().note_widened(f"aten::{name}", "float16 -> float32")
+        runtime().note_widened(f"aten::{name}", "float16 -> float32")
         out = op(*up, **kwargs)
         return out.to(want[0]) if want and out.dtype != want[0] else out
 

@@ -1,7 +1,7 @@
 """The kernel of an op by its kind (`signatures._ops`): view, host, or generated compute/mutating.
 
 Below `_special` and `_decomp`, which reuse these kernels for the ops they compute from others; one
-generated kernel per op (its executables' table is the one `_dispatch` clears on reset and eviction).
+generated kernel per op (`_codegen`; its executables' table is one the runtime clears on reset and eviction).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from ..signatures import OpInfo, classify
-from . import _dispatch
-from ._dispatch import DEVICE
+from . import _codegen
+from ._host import DEVICE, to_host
+from ._runtime import runtime
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _generic: dict[str, Callable[..., Any]] = {}
@@ -50,9 +51,9 @@ def _host_kernel(info: OpInfo) -> Callable[..., Any]:
         for a, v in zip(info.args, values):
             if a.name == "device":
                 check_device(v)
-        rt = _dispatch.runtime()
+        rt = runtime()
         rt.host_ops.add(info.qualname)
-        host_values = tuple(_dispatch.to_host(v) for v in values)
+        host_values = tuple(to_host(v) for v in values)
         return rt.host_or_widen(info, None, tuple(values), host_values)[0]
 
     return kernel
@@ -64,7 +65,7 @@ def kernel(info: OpInfo) -> Callable[..., Any]:
         return _view_kernel(info)
     if info.kind == "host":
         return _host_kernel(info)
-    return _dispatch._codegen(info)
+    return _codegen.generate(info)
 
 
 def kernel_for(qualname: str) -> Callable[..., Any]:

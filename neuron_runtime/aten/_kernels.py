@@ -11,7 +11,9 @@ import torch
 from .. import _profiling
 from .._native import NATIVE
 from ..signatures import OPT_TENSOR, OpInfo, SCALAR, SCALARS, TENSOR, TENSORS, VALUE, classify, cpu_ops, resolve_op
-from . import _decomp, _dispatch, _fusion, _generic, _quantized, _special
+from . import _decomp, _fusion, _generic, _quantized, _special
+from ._host import DEVICE
+from ._runtime import runtime
 
 #: Ops with a kernel of their own: allocation, copies, resizes (`_special`), and ops computed from other
 #: ops (`_decomp`). Every other op gets the kernel of its kind (`_generic`).
@@ -38,9 +40,9 @@ def _moving_cpu_index(kernel: Callable[..., Any], qualname: str) -> Callable[...
         if len(args) > pos:
             v = args[pos]
             if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-                args = (*args[:pos], v.to(_dispatch.DEVICE), *args[pos + 1:])
+                args = (*args[:pos], v.to(DEVICE), *args[pos + 1:])
         elif isinstance(kwargs.get(name), torch.Tensor) and kwargs[name].device.type == "cpu":
-            kwargs[name] = kwargs[name].to(_dispatch.DEVICE)
+            kwargs[name] = kwargs[name].to(DEVICE)
         return kernel(*args, **kwargs)
 
     return moving_kernel
@@ -52,7 +54,7 @@ def kernel_for(qualname: str) -> Callable[..., Any]:
         k = SPECIAL.get(qualname) or _generic.kernel_for(qualname)
         if qualname in CPU_INDEX_ARGS:
             k = _moving_cpu_index(k, qualname)  # (a Python kernel: the native hit path never sees a CPU index)
-        if _dispatch.runtime().fusion is not None and not hasattr(k, "__neuron_source__"):
+        if runtime().fusion is not None and not hasattr(k, "__neuron_source__"):
             k = _flushing(k, qualname)
         _kernels[qualname] = k
     return k

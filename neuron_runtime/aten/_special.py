@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from . import _generic
-from ._dispatch import DEVICE, alias, forget, wrap
+from ._host import DEVICE, alias, forget, wrap
 from ._generic import check_device
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..signatures import OPT_TENSOR, OPT_TENSORS, OpInfo, TENSOR, TENSORS
+from ..signatures import TENSOR_KINDS, OpInfo
 from . import _widen
 
 DEVICE = "neuron"
@@ -68,8 +68,8 @@ def _result_metas(info: OpInfo, values: tuple[Any, ...]) -> list[torch.Tensor] |
     left out), in order; None when it has no meta kernel or refuses them."""
     f = info.functional or info
     try:
-        out = f.op(*[_metas(v) for a, v in zip(info.args, values) if not a.kwarg_only],
-                   **{a.name: _metas(v) for a, v in zip(info.args, values) if a.kwarg_only and not a.mutable})
+        args, kwargs = info.call_args([_metas(v) for v in values])
+        out = f.op(*args, **{a.name: kwargs[a.name] for a in info.args if a.name in kwargs and not a.mutable})
     except Exception:  # noqa: BLE001
         return None
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -87,8 +87,8 @@ def check_out_dtype(info: OpInfo, values: tuple[Any, ...]) -> bool:
     if all(o.dtype == r for o, r in zip(outs, res)):
         return False
     try:
-        info.op(*[_metas(v) for a, v in zip(info.args, values) if not a.kwarg_only],
-                **{a.name: _metas(v) for a, v in zip(info.args, values) if a.kwarg_only})
+        args, kwargs = info.call_args([_metas(v) for v in values])
+        info.op(*args, **kwargs)
     except RuntimeError as e:
         if "dtype" not in str(e) and "cast" not in str(e):
             return False  # the meta kernel refuses something else (data-dependent shapes): the op decides
@@ -119,8 +119,8 @@ def _cpu_out_error(info: OpInfo, values: tuple[Any, ...]) -> str | None:
         return v
 
     try:
-        info.op(*[zeros(v) for a, v in zip(info.args, values) if not a.kwarg_only],
-                **{a.name: zeros(v) for a, v in zip(info.args, values) if a.kwarg_only})
+        args, kwargs = info.call_args([zeros(v) for v in values])
+        info.op(*args, **kwargs)
     except RuntimeError as e:
         return str(e)
     except Exception:  # noqa: BLE001 - anything else: the meta kernel's message stands
@@ -197,7 +197,7 @@ def _pairs(info: OpInfo, values: tuple[Any, ...], out: bool) -> list[tuple[torch
         if not a.mutable:
             continue
         for b, r in zip(info.args, values):
-            if b.mutable or b.kind not in (TENSOR, OPT_TENSOR, TENSORS, OPT_TENSORS):
+            if b.mutable or b.kind not in TENSOR_KINDS:
                 continue
             ws = list(w) if isinstance(w, (list, tuple)) else [w]
             rs = list(r) if isinstance(r, (list, tuple)) else [r]

@@ -24,13 +24,13 @@ import torch
 
 from ..signatures import (
     GENERATOR,
+    LIST_KINDS,
     OPT_TENSOR,
     OPT_TENSORS,
     OTHER,
     OpInfo,
     SignatureError,
     TENSOR,
-    TENSORS,
     VALUE,
     classify,
     encode_value,
@@ -205,7 +205,7 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
                 w, d = wire(v, where)
                 wiring.append(w)
                 args.append([a.name, a.kind, d])
-            elif a.kind in (TENSORS, OPT_TENSORS) and isinstance(v, (list, tuple)):
+            elif a.kind in LIST_KINDS and isinstance(v, (list, tuple)):
                 descs: list[Any] = []
                 for x in v:
                     if x is None and a.kind == OPT_TENSORS:

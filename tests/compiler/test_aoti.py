@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _host
 from neuron_runtime.compiler import CompileRefused
 from neuron_runtime.compiler._aoti import AotiCompiler
 from neuron_runtime.compiler._package import META_PATH, ArtifactMismatch, read_meta
@@ -94,7 +94,7 @@ def _graph_signature() -> dict[str, Any]:
 
 def run_both(c: Compiled, *values: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(executable's outputs, eager outputs) for one call with `values` in schema order."""
-    tensors, scalars = _dispatch.flatten(c.info, values)
+    tensors, scalars = _host.flatten(c.info, values)
     got = list(c.exe(tensors, scalars))
     want = list(build_call(c.signature, c.info.op)(tensors, scalars))
     return got, want

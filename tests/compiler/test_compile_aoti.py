@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import neuron_runtime
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 
 DEV = "neuron"
 
@@ -34,7 +34,7 @@ def graph_run(aoti_root: Path) -> Iterator[dict[str, Any]]:
             # An empty local tier (aoti_root persists across sessions): this run compiles the graph.
             shutil.rmtree(aoti_root / "neff-graph", ignore_errors=True)
             mp.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(aoti_root / "neff-graph"))
-            _dispatch.reset_runtime()
+            _runtime.reset_runtime()
             torch._dynamo.reset()
             x, w = torch.randn(6, 8), torch.randn(8, 5).t().contiguous().t()  # w non-contiguous
             s = torch.randn(5)
@@ -44,7 +44,7 @@ def graph_run(aoti_root: Path) -> Iterator[dict[str, Any]]:
                 got = torch.compile(_f, backend="neuron")(x.to(DEV), w.to(DEV), s_dev).cpu()
             first = neuron_runtime.stats()
             # Another start on the warm local tier: load, no compile.
-            _dispatch.reset_runtime()
+            _runtime.reset_runtime()
             torch._dynamo.reset()
             s_again = s.to(DEV)
             with torch.no_grad():
@@ -54,7 +54,7 @@ def graph_run(aoti_root: Path) -> Iterator[dict[str, Any]]:
                    "s_dev": s_dev.cpu(), "s_again": s_again.cpu(), "bumped": s_dev._version > version}
     finally:  # after the environment is restored: reset_runtime reads it
         torch._dynamo.reset()
-        _dispatch.reset_runtime()
+        _runtime.reset_runtime()
 
 
 def test_graph_is_one_aoti_executable_equal_to_eager(graph_run: dict[str, Any]) -> None:

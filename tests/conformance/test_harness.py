@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 from neuron_runtime.compiler import CompileRefused
 from neuron_runtime.compiler._reference import ReferenceCompiler
 from neuron_runtime.conformance import _runner
@@ -140,7 +140,7 @@ class _NoClasses(ReferenceCompiler):
 
 def test_ops_compiled_per_shape_are_listed_with_the_reason(add_op: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_NEURONX_SHAPES", "generic")
-    rt = _dispatch.reset_runtime()
+    rt = _runtime.reset_runtime()
     try:
         rt.set_compiler(_NoClasses())
         r = check_op(add_op, k=2, forward_only=True)  # (its first sample is 0-d: no sizes to make symbolic)
@@ -150,7 +150,7 @@ def test_ops_compiled_per_shape_are_listed_with_the_reason(add_op: Any, monkeypa
         assert again.status == "compiled" and again.per_shape == {}
     finally:
         monkeypatch.undo()
-        _dispatch.reset_runtime()
+        _runtime.reset_runtime()
     cov = coverage_map("aoti", {"add": r.as_json(), "mul": {"status": "compiled"}}, [], 1, 1.0)
     assert cov["summary"]["per_shape"] == 1
     md = markdown(cov)

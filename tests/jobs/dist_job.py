@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import neuron_runtime
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 
 DEV = "neuron"
 SCENARIO = os.environ.get("DIST_SCENARIO", "api")
@@ -403,7 +403,7 @@ def train_cold(res: dict[str, Any]) -> None:
     loss = torch.nn.functional.mse_loss(ddp(shard(x).to(DEV)), shard(y).to(DEV))
     loss.backward()
     res["loss"] = global_loss(loss)
-    res["keys"] = sorted(_dispatch.runtime().by_digest)
+    res["keys"] = sorted(_runtime.runtime().by_digest)
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ import time
 import torch
 
 import neuron_runtime
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
         for _ in range(int(os.environ.get("JOB_ROUNDS", "1"))):
             waited = neuron_runtime.wait_for_compiles(float(os.environ["JOB_WAIT"]))
             steps(n)
-    bg = _dispatch.runtime().resolver._background
+    bg = _runtime.runtime().resolver._background
     client = bg.client if bg is not None else None
     if bg is not None and bg.jobs:  # compiles were asked for: the service's pid is known once it answered
         deadline = time.monotonic() + 60
@@ -54,7 +54,7 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump({"losses": losses, "host_runs": host_runs, "waited": waited, "stats": neuron_runtime.stats(),
                        "service_pid": getattr(client, "service_pid", None),
-                       "keys": sorted(_dispatch.runtime().by_digest)}, f)
+                       "keys": sorted(_runtime.runtime().by_digest)}, f)
     if os.environ.get("JOB_SIGTERM_SELF"):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (client is None or client.service_pid is None or client.unsent):

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to("neuron")
@@ -26,4 +26,4 @@ print("loss", loss.item())
 out = os.environ.get("JOB_OUT")
 if out:
     with open(out, "w") as f:
-        json.dump({"loss": loss.item(), "keys": sorted(_dispatch.runtime().by_digest)}, f)
+        json.dump({"loss": loss.item(), "keys": sorted(_runtime.runtime().by_digest)}, f)

@@ -13,7 +13,7 @@ import torch
 
 import neuron_runtime
 from neuron_runtime import _config
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 
 DEV = "neuron"
 
@@ -42,12 +42,12 @@ def assert_same(cpu: Any, dev: Any, **kw: Any) -> None:
 
 
 @pytest.fixture
-def fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[_dispatch.Runtime]:
+def fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[_runtime.Runtime]:
     """A runtime with empty in-process caches and counters (config re-read from the environment)."""
-    rt = _dispatch.reset_runtime()
+    rt = _runtime.reset_runtime()
     yield rt
     monkeypatch.undo()
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:

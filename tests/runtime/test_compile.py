@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import neuron_runtime
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 from neuron_runtime.graphs import _compile, _graph
 from neuron_runtime.signatures import _signature
 
@@ -53,7 +53,7 @@ def test_backend_is_registered_by_entry_point() -> None:
     assert "neuron" in torch._dynamo.list_backends()
 
 
-def test_training_step_equals_eager_neuron_and_hits_after_first(fresh_runtime: _dispatch.Runtime) -> None:
+def test_training_step_equals_eager_neuron_and_hits_after_first(fresh_runtime: _runtime.Runtime) -> None:
     eager = _mlp().to(DEV)
     model = copy.deepcopy(eager)
     compiled = torch.compile(model, backend="neuron")
@@ -75,7 +75,7 @@ def test_training_step_equals_eager_neuron_and_hits_after_first(fresh_runtime: _
     assert s["graphs"]["graph_executions"] == 6 and s["graphs"]["graph_eager_runs"] == 0
 
 
-def test_default_backend_on_neuron_compiles_through_neuron(fresh_runtime: _dispatch.Runtime) -> None:
+def test_default_backend_on_neuron_compiles_through_neuron(fresh_runtime: _runtime.Runtime) -> None:
     model = _mlp().to(DEV)
     x = torch.randn(4, 8)
     y = torch.compile(model)(x.to(DEV))  # Inductor would fail with KeyError: 'neuron'
@@ -94,7 +94,7 @@ def test_unsupported_mode_and_options_are_clear_errors() -> None:
         g(torch.ones(3, device=DEV))
 
 
-def test_different_graphs_never_share_a_key(fresh_runtime: _dispatch.Runtime) -> None:
+def test_different_graphs_never_share_a_key(fresh_runtime: _runtime.Runtime) -> None:
     x = torch.randn(4, 6, device=DEV)
     base = _graph_keys(lambda t: (t * 2.0).relu().sum(1), x)
     assert base == _graph_keys(lambda t: (t * 2.0).relu().sum(1), x)  # same graph, same key
@@ -121,7 +121,7 @@ def test_graph_signature_holds_no_names_or_ids() -> None:
     assert "0x" not in text and "/" not in text
 
 
-def test_input_mutation_mixed_cpu_and_non_contiguous_inputs(fresh_runtime: _dispatch.Runtime) -> None:
+def test_input_mutation_mixed_cpu_and_non_contiguous_inputs(fresh_runtime: _runtime.Runtime) -> None:
     def f(state: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         state.mul_(0.5).add_(x)          # optimizer-state style in-place update of an input
         return (x @ x.t()) + bias.to(x.device)  # a CPU tensor moved inside the graph
@@ -153,7 +153,7 @@ def test_input_mutation_mixed_cpu_and_non_contiguous_inputs(fresh_runtime: _disp
     assert neuron_runtime.stats()["graphs"]["graph_executions"] == 2
 
 
-def test_random_graph_runs_op_by_op_with_eager_masks(fresh_runtime: _dispatch.Runtime) -> None:
+def test_random_graph_runs_op_by_op_with_eager_masks(fresh_runtime: _runtime.Runtime) -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.dropout(x * 2, p=0.5, training=True)
 
@@ -172,15 +172,15 @@ def test_random_graph_runs_op_by_op_with_eager_masks(fresh_runtime: _dispatch.Ru
 
 
 def test_disable_fallback_execution_makes_a_refused_graph_an_error(
-        fresh_runtime: _dispatch.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+        fresh_runtime: _runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
     cf = torch.compile(lambda x: torch.nn.functional.dropout(x, 0.5, True), backend="neuron")
     with pytest.raises(Exception, match="TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1"):
         cf(torch.randn(8, device=DEV))
 
 
-def test_dynamic_graphs_compile_per_concrete_shape(fresh_runtime: _dispatch.Runtime) -> None:
+def test_dynamic_graphs_compile_per_concrete_shape(fresh_runtime: _runtime.Runtime) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3)).to(DEV)
     cf = torch.compile(model, backend="neuron", dynamic=True)
@@ -192,10 +192,10 @@ def test_dynamic_graphs_compile_per_concrete_shape(fresh_runtime: _dispatch.Runt
 
 
 def test_background_mode_runs_op_by_op_until_the_graph_is_compiled(
-        fresh_runtime: _dispatch.Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+        fresh_runtime: _runtime.Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     monkeypatch.setenv("TORCH_NEURONX_COMPILE_MODE", "background")
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
     model = _mlp().to(DEV)
     cf = torch.compile(model, backend="neuron")
     x = torch.randn(5, 8, device=DEV)
@@ -223,12 +223,12 @@ def test_explain_names_the_graph_node_that_differs() -> None:
 
 @pytest.mark.parametrize("damage", ["flipped_byte", "another_entry"])
 def test_corrupt_or_forged_graph_entry_is_never_loaded(
-        fresh_runtime: _dispatch.Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, damage: str) -> None:
+        fresh_runtime: _runtime.Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, damage: str) -> None:
     from neuron_runtime.cache import LocalCache
 
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
     monkeypatch.setenv("TORCH_NEURONX_SHAPES", "static")  # exact keys: the entry damaged is the one it loads
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
     x = torch.randn(4, 6, device=DEV)
 
     def f(t: torch.Tensor) -> torch.Tensor:
@@ -246,7 +246,7 @@ def test_corrupt_or_forged_graph_entry_is_never_loaded(
         data = bytearray(local.get(other) or b"")
     local.delete(key)
     local.put(key, bytes(data))
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
     torch._dynamo.reset()
     got = torch.compile(f, backend="neuron")(x)
     torch.testing.assert_close(got.cpu(), want)
@@ -254,7 +254,7 @@ def test_corrupt_or_forged_graph_entry_is_never_loaded(
     assert s["corrupt"] >= 1 and s["graphs"]["compiles"] == 1 and s["graphs"]["graph_executions"] == 1
 
 
-def test_autocast_region_inside_a_compiled_graph(fresh_runtime: _dispatch.Runtime) -> None:
+def test_autocast_region_inside_a_compiled_graph(fresh_runtime: _runtime.Runtime) -> None:
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(DEV)
 
@@ -292,7 +292,7 @@ class _TinyCausalLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def test_tiny_causal_lm_forward_and_backward_equal_eager_neuron(fresh_runtime: _dispatch.Runtime) -> None:
+def test_tiny_causal_lm_forward_and_backward_equal_eager_neuron(fresh_runtime: _runtime.Runtime) -> None:
     torch.manual_seed(0)
     eager = _TinyCausalLM().to(DEV)
     model = copy.deepcopy(eager)
@@ -309,7 +309,7 @@ def test_tiny_causal_lm_forward_and_backward_equal_eager_neuron(fresh_runtime: _
     assert g["graphs_refused"] == 0 and g["graph_executions"] >= 2, g
 
 
-def test_compiled_optimizer_step_updates_state_in_place(fresh_runtime: _dispatch.Runtime) -> None:
+def test_compiled_optimizer_step_updates_state_in_place(fresh_runtime: _runtime.Runtime) -> None:
     """`torch.compile(opt.step)`: AdamW's update is one graph writing parameters and moments in place."""
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import neuron_runtime
-from neuron_runtime.aten import _dispatch, _kernels
+from neuron_runtime.aten import _host, _kernels, _runtime
 from neuron_runtime.compiler import CompileRefused
 from neuron_runtime.compiler._reference import ReferenceCompiler
 from neuron_runtime.signatures import _signature, classify
@@ -64,7 +64,7 @@ def _train(device: str, steps: int, seed: int = 0) -> tuple[list[float], torch.n
     return losses, model
 
 
-def test_training_loop_matches_cpu_step_by_step(fresh_runtime: _dispatch.Runtime) -> None:
+def test_training_loop_matches_cpu_step_by_step(fresh_runtime: _runtime.Runtime) -> None:
     cpu_losses, cpu_model = _train("cpu", 8)
     dev_losses, dev_model = _train(DEV, 8)
     for c, d in zip(cpu_losses, dev_losses):
@@ -75,7 +75,7 @@ def test_training_loop_matches_cpu_step_by_step(fresh_runtime: _dispatch.Runtime
     assert s["executions"] > 100 and s["fallbacks"] == 0 and s["fallback_ops"] == []
 
 
-def test_signatures_stop_growing_after_the_first_steps(fresh_runtime: _dispatch.Runtime) -> None:
+def test_signatures_stop_growing_after_the_first_steps(fresh_runtime: _runtime.Runtime) -> None:
     counts = []
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(DEV)
@@ -93,7 +93,7 @@ def test_signatures_stop_growing_after_the_first_steps(fresh_runtime: _dispatch.
     assert neuron_runtime.stats()["hits"]["memory"] > 10 * counts[-1]
 
 
-def test_scalars_are_keyed_by_type_structure_by_value(fresh_runtime: _dispatch.Runtime) -> None:
+def test_scalars_are_keyed_by_type_structure_by_value(fresh_runtime: _runtime.Runtime) -> None:
     x = torch.randn(4, device=DEV)
     start = len(fresh_runtime.by_digest)
     for alpha in (0.5, 1.5, 2.5):
@@ -122,7 +122,7 @@ def test_signature_json_is_canonical_and_typed() -> None:
     assert k1 != _signature.cache_key(sig, {"tier": "aoti"})
 
 
-def test_fallback_warns_once_per_op_and_lists_it(fresh_runtime: _dispatch.Runtime) -> None:
+def test_fallback_warns_once_per_op_and_lists_it(fresh_runtime: _runtime.Runtime) -> None:
     fresh_runtime.set_compiler(RefusingCompiler({"aten::mul.Tensor"}))
     a, b = torch.randn(3), torch.randn(3)
     with warnings.catch_warnings(record=True) as caught:
@@ -137,16 +137,16 @@ def test_fallback_warns_once_per_op_and_lists_it(fresh_runtime: _dispatch.Runtim
     assert neuron_runtime.stats()["fallback_ops"] == ["aten::mul.Tensor"]
 
 
-def test_fallback_off_raises_with_op_and_signature(fresh_runtime: _dispatch.Runtime,
+def test_fallback_off_raises_with_op_and_signature(fresh_runtime: _runtime.Runtime,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_NEURONX_FALLBACK", "0")
-    rt = _dispatch.reset_runtime()
+    rt = _runtime.reset_runtime()
     rt.set_compiler(BrokenCompiler())
-    with pytest.raises(_dispatch.FallbackDisabledError, match=r"aten::sub\.Tensor.*signature.*float32"):
+    with pytest.raises(_runtime.FallbackDisabledError, match=r"aten::sub\.Tensor.*signature.*float32"):
         torch.sub(torch.randn(3, device=DEV), 1.0)
 
 
-def test_broken_executable_falls_back_with_correct_results(fresh_runtime: _dispatch.Runtime) -> None:
+def test_broken_executable_falls_back_with_correct_results(fresh_runtime: _runtime.Runtime) -> None:
     fresh_runtime.set_compiler(BrokenCompiler())
     a = torch.randn(5)
     with pytest.warns(UserWarning, match="executable failed"):
@@ -155,20 +155,20 @@ def test_broken_executable_falls_back_with_correct_results(fresh_runtime: _dispa
     assert "aten::sin" in neuron_runtime.fallback_ops()
 
 
-def test_user_errors_are_not_fallbacks(fresh_runtime: _dispatch.Runtime) -> None:
+def test_user_errors_are_not_fallbacks(fresh_runtime: _runtime.Runtime) -> None:
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         torch.mm(torch.ones(2, 3, device=DEV), torch.ones(2, 3, device=DEV))
     assert neuron_runtime.fallback_ops() == []
 
 
-def test_views_never_compile(fresh_runtime: _dispatch.Runtime) -> None:
+def test_views_never_compile(fresh_runtime: _runtime.Runtime) -> None:
     x = torch.randn(4, 6, device=DEV)
     before = len(fresh_runtime.by_digest)
     x.view(6, 4).t()[1:].transpose(0, 1).unsqueeze(0).expand(3, -1, -1).select(0, 1)
     assert len(fresh_runtime.by_digest) == before
 
 
-def test_stale_cpu_view_is_never_used(fresh_runtime: _dispatch.Runtime) -> None:
+def test_stale_cpu_view_is_never_used(fresh_runtime: _runtime.Runtime) -> None:
     """In-place metadata changes and `.data =` keep the data pointer: the view cache must notice."""
     x = torch.arange(6.0, device=DEV)
     (x + 1)  # caches x's CPU view
@@ -180,18 +180,18 @@ def test_stale_cpu_view_is_never_used(fresh_runtime: _dispatch.Runtime) -> None:
     assert_same(torch.arange(6.0).view(2, 3).t().unsqueeze(0).sum(1), x.sum(1))
 
 
-def test_no_memory_held_after_tensors_die(fresh_runtime: _dispatch.Runtime) -> None:
+def test_no_memory_held_after_tensors_die(fresh_runtime: _runtime.Runtime) -> None:
     import gc
 
     gc.collect()
-    base = len(_dispatch._aliases)
+    base = len(_host._aliases)
     for _ in range(200):
         a = torch.randn(1000, device=DEV)
         b = (a * 2).relu()
         b.sum().item()
     del a, b
     gc.collect()
-    assert len(_dispatch._aliases) <= base + 2
+    assert len(_host._aliases) <= base + 2
 
 
 def test_stats_file_written_at_exit(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -217,22 +217,22 @@ def test_collect_env() -> None:
 
 def test_memory_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_NEURONX_MEMORY_CACHE_ENTRIES", "8")
-    rt = _dispatch.reset_runtime()
+    rt = _runtime.reset_runtime()
     try:
         for n in range(1, 30):
             x = torch.ones(n, device=DEV)
             assert_same(torch.ones(n) * 2 + 1, x * 2 + 1)
         assert len(rt.by_digest) <= 8
-        assert sum(len(e) for _, e in _dispatch._EXES.values()) <= 8
+        assert sum(len(e) for _, e in _runtime._EXES.values()) <= 8
     finally:
         monkeypatch.undo()
-        _dispatch.reset_runtime()
+        _runtime.reset_runtime()
 
 
 def test_refusals_are_cached_and_strict_mode_runs_them_on_the_host(monkeypatch: pytest.MonkeyPatch,
                                                                    tmp_path) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "cache"))
-    rt = _dispatch.reset_runtime()
+    rt = _runtime.reset_runtime()
     try:
         rt.set_compiler(RefusingCompiler({"aten::atan2"}))
         a, b = torch.randn(4), torch.randn(4)
@@ -246,14 +246,14 @@ def test_refusals_are_cached_and_strict_mode_runs_them_on_the_host(monkeypatch: 
                 raise AssertionError(f"compiled {signature['op']} in strict mode")
 
         monkeypatch.setenv("TORCH_NEURONX_CACHE_MODE", "strict")
-        rt = _dispatch.reset_runtime()
+        rt = _runtime.reset_runtime()
         rt.set_compiler(NoCompiles({"aten::atan2"}))
         with pytest.warns(UserWarning, match="atan2 runs on the host"):
             assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))
         assert neuron_runtime.stats()["compiles"] == 0 and neuron_runtime.stats()["hits"]["local"] == 3
     finally:
         monkeypatch.undo()
-        _dispatch.reset_runtime()
+        _runtime.reset_runtime()
 
 
 class LearnedCompiler(RefusingCompiler):
@@ -269,24 +269,24 @@ def test_refusal_by_another_runtime_version_is_asked_again(monkeypatch: pytest.M
     again (an upgrade that learns to compile an op must not be stuck with the old answer)."""
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "cache"))
     a, b = torch.randn(4), torch.randn(4)
-    rt = _dispatch.reset_runtime()
+    rt = _runtime.reset_runtime()
     try:
         rt.set_compiler(RefusingCompiler({"aten::atan2"}))
         with pytest.warns(UserWarning, match="atan2 runs on the host"):
             torch.atan2(a.to(DEV), b.to(DEV))
-        rt = _dispatch.reset_runtime()
+        rt = _runtime.reset_runtime()
         rt.set_compiler(LearnedCompiler({"aten::atan2"}))
         assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))  # same version: still refused
         assert neuron_runtime.stats()["compiles"] == 0 and "aten::atan2" in neuron_runtime.fallback_ops()
         monkeypatch.setattr(neuron_runtime._version, "__version__", "0.0.0-older")
-        rt = _dispatch.reset_runtime()
+        rt = _runtime.reset_runtime()
         rt.set_compiler(LearnedCompiler({"aten::atan2"}))
         assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))
         assert neuron_runtime.stats()["compiles"] == 1 and neuron_runtime.stats()["fallbacks"] == 0
-        rt = _dispatch.reset_runtime()  # the refusal was replaced: the next process just loads
+        rt = _runtime.reset_runtime()  # the refusal was replaced: the next process just loads
         rt.set_compiler(LearnedCompiler({"aten::atan2"}))
         assert_same(torch.atan2(a, b), torch.atan2(a.to(DEV), b.to(DEV)))
         assert neuron_runtime.stats()["compiles"] == 0 and neuron_runtime.stats()["hits"]["local"] == 1
     finally:
         monkeypatch.undo()
-        _dispatch.reset_runtime()
+        _runtime.reset_runtime()

@@ -12,7 +12,7 @@ from rt_helpers import DEV, assert_same
 
 import neuron_runtime
 from neuron_runtime._native import _hostmem
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _codegen, _runtime
 from neuron_runtime.compiler._reference import ReferenceCompiler
 from neuron_runtime.signatures import _ops
 
@@ -32,7 +32,7 @@ def _grads(step: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["fused", "foreach"])
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_adamw_params_and_moments_equal_cpu(fresh_runtime: _dispatch.Runtime, kind: str, amsgrad: bool) -> None:
+def test_adamw_params_and_moments_equal_cpu(fresh_runtime: _runtime.Runtime, kind: str, amsgrad: bool) -> None:
     """A few AdamW steps: parameters, both moments (and amsgrad's max) and step counts as on CPU."""
     runs: dict[str, tuple[list[torch.nn.Parameter], torch.optim.Optimizer, Any]] = {}
     for device in ("cpu", DEV):
@@ -70,11 +70,11 @@ def test_adamw_params_and_moments_equal_cpu(fresh_runtime: _dispatch.Runtime, ki
 
 def _in_place_keys(qualname: str) -> list[Any]:
     """The kernel's keys whose executable writes in place."""
-    _, exes = _dispatch._EXES[qualname]
+    _, exes = _runtime._EXES[qualname]
     return [k for k, e in exes.items() if getattr(e, "__neuron_inplace__", False)]
 
 
-def test_views_and_aliases_see_the_update(fresh_runtime: _dispatch.Runtime) -> None:
+def test_views_and_aliases_see_the_update(fresh_runtime: _runtime.Runtime) -> None:
     """The executable writes the tensors' own memory: a view taken before the op, a tensor sharing the
     storage, and a slice of a bigger buffer passed in the list all read the new values."""
     base_c = torch.arange(24.0).reshape(4, 6)
@@ -95,7 +95,7 @@ def test_views_and_aliases_see_the_update(fresh_runtime: _dispatch.Runtime) -> N
     assert _in_place_keys("aten::_foreach_mul_.Scalar") and _in_place_keys("aten::_foreach_add_.List")
 
 
-def test_aliased_list_elements_update_as_on_cpu(fresh_runtime: _dispatch.Runtime) -> None:
+def test_aliased_list_elements_update_as_on_cpu(fresh_runtime: _runtime.Runtime) -> None:
     """The same tensor twice in a mutated list (the key holds no aliasing): written twice, as on CPU."""
     xc = torch.ones(5)
     xd = xc.to(DEV)
@@ -105,7 +105,7 @@ def test_aliased_list_elements_update_as_on_cpu(fresh_runtime: _dispatch.Runtime
     assert xd.cpu().eq(9).all()
 
 
-def test_failed_in_place_run_is_restored_then_raises_like_cpu(fresh_runtime: _dispatch.Runtime) -> None:
+def test_failed_in_place_run_is_restored_then_raises_like_cpu(fresh_runtime: _runtime.Runtime) -> None:
     """A list whose second tensor cannot take the update: the first tensor is not left half-updated by
     the executable's first run (restored, then the host raises the user's error as CPU does)."""
     def run(device: str) -> tuple[list[torch.Tensor], str]:
@@ -119,7 +119,7 @@ def test_failed_in_place_run_is_restored_then_raises_like_cpu(fresh_runtime: _di
     assert "Float" in ec and "Long" in ec and "Float" in ed and "Long" in ed, (ec, ed)
 
 
-def test_a_tier_without_writes_inputs_copies_back(fresh_runtime: _dispatch.Runtime) -> None:
+def test_a_tier_without_writes_inputs_copies_back(fresh_runtime: _runtime.Runtime) -> None:
     """A compiler that does not write inputs gets the functional variant's signature, as before."""
     class Functional(ReferenceCompiler):
         writes_inputs = False
@@ -129,12 +129,12 @@ def test_a_tier_without_writes_inputs_copies_back(fresh_runtime: _dispatch.Runti
     for _ in range(2):
         torch._foreach_mul_(xs, 2.0)
     assert_same([torch.full((4,), 4.0), torch.full((2,), 4.0)], xs)
-    _, exes = _dispatch._EXES["aten::_foreach_mul_.Scalar"]
+    _, exes = _runtime._EXES["aten::_foreach_mul_.Scalar"]
     assert exes and not _in_place_keys("aten::_foreach_mul_.Scalar")
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_fused_adamw_on_a_tier_without_writes_inputs_equals_cpu(fresh_runtime: _dispatch.Runtime,
+def test_fused_adamw_on_a_tier_without_writes_inputs_equals_cpu(fresh_runtime: _runtime.Runtime,
                                                                  fused: bool) -> None:
     """`_fused_adamw_` writes four lists: on a tier without in-place executables the native path hands
     its calls to the Python kernel, which copies the functional results back (hit path included)."""
@@ -156,7 +156,7 @@ def test_fused_adamw_on_a_tier_without_writes_inputs_equals_cpu(fresh_runtime: _
     assert not _in_place_keys("aten::_fused_adamw_" if fused else "aten::_foreach_addcdiv_.ScalarList")
 
 
-def test_in_place_signatures_are_their_own_keys(fresh_runtime: _dispatch.Runtime) -> None:
+def test_in_place_signatures_are_their_own_keys(fresh_runtime: _runtime.Runtime) -> None:
     """The in-place signature names the mutating op and what it writes: never the functional one's key."""
     from neuron_runtime.signatures import _signature
 
@@ -173,7 +173,7 @@ def test_in_place_signatures_are_their_own_keys(fresh_runtime: _dispatch.Runtime
 
 
 @pytest.mark.parametrize("writes_inputs", [True, False])
-def test_written_lists_bump_version_counters_so_autograd_sees_them(fresh_runtime: _dispatch.Runtime,
+def test_written_lists_bump_version_counters_so_autograd_sees_them(fresh_runtime: _runtime.Runtime,
                                                                    writes_inputs: bool) -> None:
     """A list op writes its tensors in place: their version counters go up on every call — the first
     (slow path), the next ones (native hit path) — as on CPU, so autograd refuses a backward through a
@@ -205,16 +205,16 @@ def test_written_lists_bump_version_counters_so_autograd_sees_them(fresh_runtime
         assert {p._version for p in ps} == {opt.state[p]["exp_avg"]._version for p in ps} == {n}
 
 
-def test_every_list_mutating_kernel_bumps_before_each_return(fresh_runtime: _dispatch.Runtime,
+def test_every_list_mutating_kernel_bumps_before_each_return(fresh_runtime: _runtime.Runtime,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Every generated kernel of an op that writes a tensor list bumps the written tensors' versions on
     each of its return paths (miss, hit, a failed run retried on the slow path)."""
     names = [q for q in _ops.cpu_ops() if (i := _ops.classify(q)).kind == "mutating"
              and any(a.mutable and a.kind == _ops.TENSORS for a in i.args)]
     assert len(names) > 50, names
-    monkeypatch.setattr(_dispatch, "_EXES", dict(_dispatch._EXES))  # _codegen registers each kernel's table
+    monkeypatch.setattr(_runtime, "_EXES", dict(_runtime._EXES))  # each generated kernel registers its table
     for q in names:
-        src = _dispatch._codegen(_ops.classify(q)).__neuron_source__
+        src = _codegen.generate(_ops.classify(q)).__neuron_source__
         kernel = src.split("\ndef lookup")[0]
         returns = kernel.count("return ")
         assert returns >= 2 and kernel.count("_zIV(") == returns, (q, kernel)

@@ -17,7 +17,7 @@ from torch.compiler._cache import CacheArtifactManager
 
 import neuron_runtime
 from neuron_runtime.cache import envelope
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 from neuron_runtime.executables import _megacache
 from neuron_runtime.signatures import _ops, _signature, kind_of
 
@@ -47,11 +47,11 @@ out = {"losses": losses, "graph": graph, "compiles": s["compiles"], "by_kind": s
        "loads": s["loads"], "graphs": s["graphs"], "megacache": s["megacache"], "fallback_ops": s["fallback_ops"]}
 if mode == "save":
     from neuron_runtime.signatures import kind_of
-    from neuron_runtime.aten import _dispatch
+    from neuron_runtime.aten import _runtime
     data, info = torch.compiler.save_cache_artifacts()
     open(bundle, "wb").write(data)
     out["artifacts"] = {k: len(v) for k, v in info.artifacts.items()}
-    local = _dispatch.runtime().cache
+    local = _runtime.runtime().cache
     out["bundle_kinds"] = sorted({kind_of(local.get_local(k).header["signature"])
                                   for k in info.neuron_neff_artifacts})
 print(json.dumps(out))
@@ -98,11 +98,11 @@ def test_a_second_process_after_loading_the_bundle_compiles_nothing(tmp_path: Pa
 
 # -- bad input -----------------------------------------------------------------------------------------
 @pytest.fixture
-def signed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_runtime: _dispatch.Runtime) -> _dispatch.Runtime:
+def signed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_runtime: _runtime.Runtime) -> _runtime.Runtime:
     """A runtime with an empty local tier and a signing key (bundles must carry signed entries)."""
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
     monkeypatch.setenv("TORCH_NEURONX_CACHE_SIGNING_KEY", "the fleet's key")
-    return _dispatch.reset_runtime()
+    return _runtime.reset_runtime()
 
 
 def bundle_of(artifacts: list[tuple[str, bytes]]) -> bytes:
@@ -114,7 +114,7 @@ def bundle_of(artifacts: list[tuple[str, bytes]]) -> bytes:
     return saved[0]
 
 
-def entry_for(rt: _dispatch.Runtime, op: str, n: int, fingerprint: dict[str, Any] | None = None,
+def entry_for(rt: _runtime.Runtime, op: str, n: int, fingerprint: dict[str, Any] | None = None,
               signing_key: bytes | None = b"the fleet's key") -> tuple[str, bytes]:
     """A real executable's entry: `op` on `n` float32 elements, compiled by the runtime's compiler."""
     a = torch.randn(n)
@@ -124,7 +124,7 @@ def entry_for(rt: _dispatch.Runtime, op: str, n: int, fingerprint: dict[str, Any
     return key, envelope.pack(key, {"signature": sig, "fingerprint": fp}, rt.compiler.compile(sig), signing_key)
 
 
-def test_bad_artifacts_are_refused_with_a_warning_and_the_rest_loads(signed: _dispatch.Runtime) -> None:
+def test_bad_artifacts_are_refused_with_a_warning_and_the_rest_loads(signed: _runtime.Runtime) -> None:
     rt = signed
     good_key, good = entry_for(rt, "aten::mul.Tensor", 8)
     k2, e2 = entry_for(rt, "aten::mul.Tensor", 9)
@@ -170,7 +170,7 @@ def test_bad_artifacts_are_refused_with_a_warning_and_the_rest_loads(signed: _di
     assert neuron_runtime.stats()["compiles"] == 1
 
 
-def test_a_bundle_with_no_pickle_on_our_side(signed: _dispatch.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bundle_with_no_pickle_on_our_side(signed: _runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """Saving and loading neuron artifacts never pickles: pickle is made to fail throughout."""
     key, data = entry_for(signed, "aten::mul.Tensor", 16)
 
@@ -187,10 +187,10 @@ def test_a_bundle_with_no_pickle_on_our_side(signed: _dispatch.Runtime, monkeypa
     assert cache is not None and cache.get_local(key) is not None
 
 
-def test_readonly_mode_stores_nothing(signed: _dispatch.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_readonly_mode_stores_nothing(signed: _runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     key, data = entry_for(signed, "aten::mul.Tensor", 17)
     monkeypatch.setenv("TORCH_NEURONX_CACHE_MODE", "readonly")
-    rt = _dispatch.reset_runtime()
+    rt = _runtime.reset_runtime()
     with pytest.warns(UserWarning, match="readonly"):
         torch.compiler.load_cache_artifacts(bundle_of([(key, data)]))
     assert rt.cache is not None and rt.cache.get_local(key) is None

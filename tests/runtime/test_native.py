@@ -14,7 +14,7 @@ import torch
 import neuron_runtime
 from neuron_runtime import _native
 from neuron_runtime._native import _hostmem
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 from rt_helpers import DEV, assert_same, fresh_runtime, run_python, run_script
 
 JOB = Path(__file__).resolve().parent.parent / "jobs" / "train_small.py"
@@ -30,7 +30,7 @@ def test_the_suite_runs_on_the_native_layer() -> None:
 
 
 @native
-def test_hits_run_natively_and_are_counted(fresh_runtime: _dispatch.Runtime) -> None:
+def test_hits_run_natively_and_are_counted(fresh_runtime: _runtime.Runtime) -> None:
     a, b = torch.randn(64), torch.randn(64)
     na, nb = a.to(DEV), b.to(DEV)
     assert_same(a + b, na + nb)  # the op's first call: the Python kernel compiles
@@ -45,16 +45,16 @@ def test_hits_run_natively_and_are_counted(fresh_runtime: _dispatch.Runtime) -> 
 
 
 @native
-def test_reset_forgets_native_entries(fresh_runtime: _dispatch.Runtime) -> None:
+def test_reset_forgets_native_entries(fresh_runtime: _runtime.Runtime) -> None:
     x = torch.randn(8, device=DEV)
     torch.sin(x), torch.sin(x)
-    rt = _dispatch.reset_runtime()
+    rt = _runtime.reset_runtime()
     torch.sin(x)
     assert rt.stats()["loads"] == 1  # not served from the old runtime's table
 
 
 @native
-def test_native_hits_keep_device_semantics(fresh_runtime: _dispatch.Runtime) -> None:
+def test_native_hits_keep_device_semantics(fresh_runtime: _runtime.Runtime) -> None:
     for _ in range(3):  # first call: Python kernel; then native hits
         base_c = torch.arange(12.0).reshape(3, 4)
         base_n = base_c.to(DEV)
@@ -76,7 +76,7 @@ def test_native_hits_keep_device_semantics(fresh_runtime: _dispatch.Runtime) -> 
 
 
 @native
-def test_native_hits_on_tensor_lists(fresh_runtime: _dispatch.Runtime) -> None:
+def test_native_hits_on_tensor_lists(fresh_runtime: _runtime.Runtime) -> None:
     cs = [torch.randn(4, 3), torch.randn(5)]
     ns = [c.to(DEV) for c in cs]
     for _ in range(3):  # the third round is all hits: mul_, 2 (mul, add), addcdiv_, 2 mul, sqrt, cat
@@ -92,7 +92,7 @@ def test_native_hits_on_tensor_lists(fresh_runtime: _dispatch.Runtime) -> None:
 
 
 @native
-def test_the_device_guard_never_calls_python(fresh_runtime: _dispatch.Runtime) -> None:
+def test_the_device_guard_never_calls_python(fresh_runtime: _runtime.Runtime) -> None:
     import sys
 
     calls: list[str] = []
@@ -114,7 +114,7 @@ def test_the_device_guard_never_calls_python(fresh_runtime: _dispatch.Runtime) -
 
 
 @native
-def test_errors_on_a_hit_are_the_users_errors(fresh_runtime: _dispatch.Runtime) -> None:
+def test_errors_on_a_hit_are_the_users_errors(fresh_runtime: _runtime.Runtime) -> None:
     idx_ok = torch.tensor([0, 1], device=DEV)
     x = torch.randn(3, 4, device=DEV)
     for _ in range(2):
@@ -127,7 +127,7 @@ def test_errors_on_a_hit_are_the_users_errors(fresh_runtime: _dispatch.Runtime) 
 
 
 @native
-def test_concurrent_hits(fresh_runtime: _dispatch.Runtime) -> None:
+def test_concurrent_hits(fresh_runtime: _runtime.Runtime) -> None:
     xs = [torch.randn(32) for _ in range(4)]
     expected = [torch.relu(x * 3 + 1) for x in xs]
     errors: list[BaseException] = []
@@ -184,7 +184,7 @@ def test_without_a_compiler_every_op_takes_the_python_path(tmp_path: Path) -> No
 
 
 @native
-def test_to_copies_run_natively_with_to_semantics(fresh_runtime: _dispatch.Runtime) -> None:
+def test_to_copies_run_natively_with_to_semantics(fresh_runtime: _runtime.Runtime) -> None:
     """`.to()` between the host and neuron (and to another dtype or memory format) is served by the native
     layer without calling Python, with the results PyTorch gives on CPU; anything it does not serve (a
     neuron index that does not exist) still gets the Python kernel's error."""
@@ -251,7 +251,7 @@ def _hits(fn, want, calls: int = 4) -> None:
 
 
 @native
-def test_a_tensor_keeps_its_cpu_view_only_while_the_view_fits(fresh_runtime: _dispatch.Runtime) -> None:
+def test_a_tensor_keeps_its_cpu_view_only_while_the_view_fits(fresh_runtime: _runtime.Runtime) -> None:
     """The native path keeps each input's CPU view in the tensor (one view per tensor, not per op); a
     tensor whose memory or layout changed in place gets a new view, never reads through the old one."""
     has = _hostmem.NATIVE.has_cpu_view
@@ -284,7 +284,7 @@ def test_a_tensor_keeps_its_cpu_view_only_while_the_view_fits(fresh_runtime: _di
 
 
 @native
-def test_a_kept_cpu_view_lives_as_long_as_its_tensor(fresh_runtime: _dispatch.Runtime) -> None:
+def test_a_kept_cpu_view_lives_as_long_as_its_tensor(fresh_runtime: _runtime.Runtime) -> None:
     x = torch.arange(4096, dtype=torch.float32)
     base = torch.neuron.memory_allocated()
     n = x.to(DEV)
@@ -295,7 +295,7 @@ def test_a_kept_cpu_view_lives_as_long_as_its_tensor(fresh_runtime: _dispatch.Ru
 
 
 @native
-def test_typed_kernels_serve_the_hits_of_every_argument_kind(fresh_runtime: _dispatch.Runtime) -> None:
+def test_typed_kernels_serve_the_hits_of_every_argument_kind(fresh_runtime: _runtime.Runtime) -> None:
     """The hottest ops have typed kernels (no boxing): their hits, through each kind of argument they
     take, equal CPU's and run natively; a boxed call of the same op (torch.ops) shares their entries."""
     F = torch.nn.functional
@@ -326,7 +326,7 @@ def test_typed_kernels_serve_the_hits_of_every_argument_kind(fresh_runtime: _dis
 
 @native
 @pytest.mark.parametrize("qualname", ["aten::abs", "aten::logical_not", "aten::nan_to_num"])
-def test_functional_ops_whose_composite_calls_out_are_served_natively(fresh_runtime: _dispatch.Runtime,
+def test_functional_ops_whose_composite_calls_out_are_served_natively(fresh_runtime: _runtime.Runtime,
                                                                        qualname: str) -> None:
     """Without a kernel of their own these ran CompositeExplicitAutograd's, whose out= call the hit path
     does not serve (17x CPU's time for `abs`)."""
@@ -342,7 +342,7 @@ def test_functional_ops_whose_composite_calls_out_are_served_natively(fresh_runt
 
 @native
 def test_out_variants_are_served_natively_and_hand_casts_resizes_and_cpu_outs_to_python(
-        fresh_runtime: _dispatch.Runtime) -> None:
+        fresh_runtime: _runtime.Runtime) -> None:
     """`mul.out` (DDP's reducer divides every gradient into its bucket with it, a wrapped-number scalar from
     C++): the functional executable's result copied into `out` natively when dtype and sizes fit; another
     dtype (PyTorch's casting rules), another size (resized) and a CPU `out` (the

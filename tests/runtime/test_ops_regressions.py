@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from rt_helpers import assert_same
 
 import neuron_runtime
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 from neuron_runtime.signatures import _ops
 
 DEV = "neuron"
@@ -172,7 +172,7 @@ def test_conjugate_and_negative_bits() -> None:
 def test_factories_with_out_compile() -> None:
     # arange/linspace/logspace/eye reach their `*.out` overload on every device (the functional factory is
     # `empty` + `*.out`): they used to fill `out` on the host; now the functional factory compiles.
-    rt = _dispatch.runtime()
+    rt = _runtime.runtime()
     rt.host_ops.clear()
     for _ in range(2):  # slow path, then hit path
         assert_same(torch.arange(5), torch.arange(5, device=DEV))

@@ -18,7 +18,7 @@ import neuron_runtime
 from neuron_runtime import _config, _profiling
 from neuron_runtime.cache import envelope
 from neuron_runtime._native import _hostmem
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 from neuron_runtime.cache import LocalCache, TieredCache
 from neuron_runtime.cache._registry import open_store
 
@@ -29,10 +29,10 @@ HOOKS = Path(__file__).resolve().parents[1] / "service" / "hooks"
 
 
 @pytest.fixture
-def cold(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_runtime: _dispatch.Runtime) -> _dispatch.Runtime:
+def cold(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_runtime: _runtime.Runtime) -> _runtime.Runtime:
     """A runtime on an empty local tier (every signature compiles once)."""
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
-    return _dispatch.reset_runtime()
+    return _runtime.reset_runtime()
 
 
 def demo_model() -> tuple[Any, Any]:
@@ -58,7 +58,7 @@ def trace_of(p: Any, tmp_path: Path, name: str) -> list[dict[str, Any]]:
     return [e for e in json.loads(path.read_text(), strict=False)["traceEvents"] if e.get("ph") == "X"]
 
 
-def test_a_cold_step_names_compiles_loads_cache_tiers_and_misses(cold: _dispatch.Runtime, tmp_path: Path) -> None:
+def test_a_cold_step_names_compiles_loads_cache_tiers_and_misses(cold: _runtime.Runtime, tmp_path: Path) -> None:
     _, step = demo_model()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
         step()
@@ -84,7 +84,7 @@ def test_a_cold_step_names_compiles_loads_cache_tiers_and_misses(cold: _dispatch
 
 
 @native
-def test_executable_runs_are_device_activity_linked_to_their_op(cold: _dispatch.Runtime, tmp_path: Path) -> None:
+def test_executable_runs_are_device_activity_linked_to_their_op(cold: _runtime.Runtime, tmp_path: Path) -> None:
     _, step = demo_model()
     step()
     step()  # every key learnt by the hit path
@@ -111,7 +111,7 @@ def test_executable_runs_are_device_activity_linked_to_their_op(cold: _dispatch.
 
 
 @native
-def test_graph_runs_have_their_own_track(cold: _dispatch.Runtime, tmp_path: Path) -> None:
+def test_graph_runs_have_their_own_track(cold: _runtime.Runtime, tmp_path: Path) -> None:
     f = torch.compile(lambda a: (a * 2 + 1).relu().sum(dim=0), backend="neuron")
     a = torch.randn(16, 8, device=DEV)
     f(a)
@@ -129,7 +129,7 @@ def test_graph_runs_have_their_own_track(cold: _dispatch.Runtime, tmp_path: Path
 
 
 @native
-def test_no_device_activity_without_a_profiler_or_with_cpu_only(cold: _dispatch.Runtime, tmp_path: Path) -> None:
+def test_no_device_activity_without_a_profiler_or_with_cpu_only(cold: _runtime.Runtime, tmp_path: Path) -> None:
     native_layer = _hostmem.NATIVE
     assert native_layer is not None
     _, step = demo_model()
@@ -144,20 +144,20 @@ def test_no_device_activity_without_a_profiler_or_with_cpu_only(cold: _dispatch.
     assert not native_layer.tracing() and not _profiling.active()
 
 
-def test_host_runs_and_fallbacks_are_named(fresh_runtime: _dispatch.Runtime, monkeypatch: pytest.MonkeyPatch,
+def test_host_runs_and_fallbacks_are_named(fresh_runtime: _runtime.Runtime, monkeypatch: pytest.MonkeyPatch,
                                            tmp_path: Path) -> None:
     from test_dispatch import RefusingCompiler
 
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
     a = torch.randn(8, device=DEV)
     with profile(activities=[ProfilerActivity.CPU]) as p:
-        _dispatch.reset_runtime().set_compiler(RefusingCompiler({"aten::mul.Tensor"}))
+        _runtime.reset_runtime().set_compiler(RefusingCompiler({"aten::mul.Tensor"}))
         with pytest.warns(UserWarning, match="runs on the host"):
             torch.mul(a, a)  # refused by the compiler: a fallback
         torch.mul(a, a)  # known to run on the host: a fallback range, no miss
         fallbacks = neuron_runtime.stats()["fallbacks"]
         monkeypatch.setenv("TORCH_NEURONX_COMPILE_MODE", "background")
-        _dispatch.reset_runtime()
+        _runtime.reset_runtime()
         torch.sub(a, 1.0)  # a key seen once runs on the host (it compiles from its second request)
         host_runs = neuron_runtime.stats()["host_runs"]
     calls = {e.key: e.count for e in p.key_averages()}

@@ -13,7 +13,7 @@ import torch
 
 import neuron_runtime
 from neuron_runtime import _config
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 from neuron_runtime.signatures import _ops, _shapes, _signature
 from rt_helpers import DEV, assert_same
 
@@ -109,18 +109,18 @@ def test_bad_policy_is_a_clear_error() -> None:
 
 # -- the runtime ------------------------------------------------------------------------------------
 @pytest.fixture
-def rt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[_dispatch.Runtime]:
+def rt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[_runtime.Runtime]:
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
-    yield _dispatch.reset_runtime()
+    yield _runtime.reset_runtime()
     monkeypatch.undo()
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
 
 
 def _compiles() -> int:
     return int(neuron_runtime.stats()["compiles"])
 
 
-def test_new_batch_sizes_compile_nothing(rt: _dispatch.Runtime) -> None:
+def test_new_batch_sizes_compile_nothing(rt: _runtime.Runtime) -> None:
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 16)
     dev = torch.nn.Linear(8, 16).to(DEV)
@@ -134,7 +134,7 @@ def test_new_batch_sizes_compile_nothing(rt: _dispatch.Runtime) -> None:
     assert neuron_runtime.stats()["class_hits"] >= 4 * 3
 
 
-def test_a_shape_outside_the_class_compiles_and_never_runs_the_wrong_kernel(rt: _dispatch.Runtime) -> None:
+def test_a_shape_outside_the_class_compiles_and_never_runs_the_wrong_kernel(rt: _runtime.Runtime) -> None:
     # cumsum is not elementwise: its classes are ranked ones (rules 1-6)
     def op(t: torch.Tensor) -> torch.Tensor:
         return torch.cumsum(t, 1) * 1  # `* 1`: an elementwise op of the same layout, flat-classed
@@ -174,24 +174,24 @@ def test_a_shape_outside_the_class_compiles_and_never_runs_the_wrong_kernel(rt: 
     assert _compiles() == before + 1
 
 
-def test_static_policy_compiles_every_shape(rt: _dispatch.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_static_policy_compiles_every_shape(rt: _runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_NEURONX_SHAPES", "static")
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
     for n in (3, 4, 5):
         x = torch.randn(n, 2)
         assert_same(x.exp(), x.to(DEV).exp())
     assert _compiles() == 3 and neuron_runtime.stats()["class_hits"] == 0
 
 
-def test_exact_entries_of_a_runtime_without_classes_still_load(rt: _dispatch.Runtime,
+def test_exact_entries_of_a_runtime_without_classes_still_load(rt: _runtime.Runtime,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(3, 4)
     monkeypatch.setenv("TORCH_NEURONX_SHAPES", "static")
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
     assert_same(x.exp(), x.to(DEV).exp())
     assert _compiles() == 1
     monkeypatch.setenv("TORCH_NEURONX_SHAPES", "auto")
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
     assert_same(x.exp(), x.to(DEV).exp())  # the exact entry on disk serves it
     s = neuron_runtime.stats()
     assert _compiles() == 0 and s["hits"]["local"] == 1 and s["class_hits"] == 0
@@ -200,26 +200,26 @@ def test_exact_entries_of_a_runtime_without_classes_still_load(rt: _dispatch.Run
     assert _compiles() == 1
 
 
-def test_a_class_entry_of_another_class_version_is_not_used(rt: _dispatch.Runtime,
+def test_a_class_entry_of_another_class_version_is_not_used(rt: _runtime.Runtime,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(3, 4)
     assert_same(x.exp(), x.to(DEV).exp())
     assert _compiles() == 1
     monkeypatch.setattr(_shapes, "CLASS_VERSION", _shapes.CLASS_VERSION + 1)  # a runtime with other rules
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
     y = torch.randn(5, 6)
     assert_same(y.exp(), y.to(DEV).exp())
     assert _compiles() == 1  # its own class, compiled once; the other version's entry is never run
 
 
-def test_classes_survive_the_memory_bound(rt: _dispatch.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_classes_survive_the_memory_bound(rt: _runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_NEURONX_MEMORY_CACHE_ENTRIES", "6")
-    rt = _dispatch.reset_runtime()
+    rt = _runtime.reset_runtime()
     for n in range(2, 40):
         x = torch.randn(n, 3)
         assert_same(x * 2 + 1, x.to(DEV) * 2 + 1)
     assert len(rt.by_digest) + len(rt.resolver.classes) <= 6
-    assert sum(len(e) for _, e in _dispatch._EXES.values()) <= 6
+    assert sum(len(e) for _, e in _runtime._EXES.values()) <= 6
     assert _compiles() <= 2  # mul and add, once each: n == 3 equal to the other dim is no new class
 
 
@@ -337,7 +337,7 @@ def _native_executions() -> int:
     return 0 if _hostmem.NATIVE is None else int(_hostmem.NATIVE.executions())
 
 
-def test_zero_of_every_rank_compiles_once_and_what_differs_statically_compiles(rt: _dispatch.Runtime) -> None:
+def test_zero_of_every_rank_compiles_once_and_what_differs_statically_compiles(rt: _runtime.Runtime) -> None:
     params = [torch.randn(16).to(DEV), torch.randn(16, 8).to(DEV), torch.randn(2, 3, 4).to(DEV)]
     before = _compiles()
     for _ in range(2):  # the second round: the hit path (native where it is built)
@@ -382,16 +382,16 @@ def _hostmem_native() -> bool:
     return _hostmem.NATIVE is not None
 
 
-def test_ranked_class_entries_of_a_runtime_without_flat_classes_still_load(rt: _dispatch.Runtime,
+def test_ranked_class_entries_of_a_runtime_without_flat_classes_still_load(rt: _runtime.Runtime,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     flat_class = _shapes.flat_class
     monkeypatch.setattr(_shapes, "flat_class", lambda sig: None)  # a runtime before the rule
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
     x = torch.randn(3, 4)
     assert_same(x.exp(), x.to(DEV).exp())
     assert _compiles() == 1
     monkeypatch.setattr(_shapes, "flat_class", flat_class)
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
     y = torch.randn(5, 6)
     assert_same(y.exp(), y.to(DEV).exp())  # a new shape of the ranked class: its entry on disk serves it
     s = neuron_runtime.stats()
@@ -401,7 +401,7 @@ def test_ranked_class_entries_of_a_runtime_without_flat_classes_still_load(rt: _
     assert _compiles() == 1
 
 
-def test_lengths_that_collide_with_the_model_s_dims_compile_almost_nothing(rt: _dispatch.Runtime) -> None:
+def test_lengths_that_collide_with_the_model_s_dims_compile_almost_nothing(rt: _runtime.Runtime) -> None:
     """Trained at lengths 8 (= the head dim), 12, 16 (batch x length = hidden), ..., 32 (= hidden): after the
     first length, at most 10 % of its compiles again (issue 32 measured 86 % with the older rule)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

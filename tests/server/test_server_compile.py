@@ -51,12 +51,12 @@ def test_fresh_host_on_a_warm_grpc_store_compiles_no_graph(server: ServerProc, t
 def test_server_killed_mid_run_never_fails_a_compiled_step(
         server: ServerProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import neuron_runtime
-    from neuron_runtime.aten import _dispatch
+    from neuron_runtime.aten import _runtime
 
     monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", f"grpc://{server.address}")
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
     monkeypatch.setenv("TORCH_NEURONX_FLEET_TIMEOUT", "2")
-    _dispatch.reset_runtime()
+    _runtime.reset_runtime()
     torch._dynamo.reset()
     try:
         f = torch.compile(lambda t: (t.sin() * 3).sum(0), backend="neuron")
@@ -72,4 +72,4 @@ def test_server_killed_mid_run_never_fails_a_compiled_step(
     finally:
         monkeypatch.undo()
         torch._dynamo.reset()
-        _dispatch.reset_runtime()
+        _runtime.reset_runtime()

@@ -98,9 +98,9 @@ def segments(draw: Any) -> bytes:
 
 
 def _resolver() -> Any:
-    from neuron_runtime.aten import _dispatch
+    from neuron_runtime.aten import _runtime
 
-    return _dispatch.runtime().resolver
+    return _runtime.runtime().resolver
 
 
 @SETTINGS

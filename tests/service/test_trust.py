@@ -31,9 +31,9 @@ JOB = "trust-test-job"
 PRELUDE = r"""
 import json, os, sys, time, torch, neuron_runtime
 from neuron_runtime import __version__
-from neuron_runtime.aten import _dispatch
+from neuron_runtime.aten import _runtime
 from neuron_runtime.signatures import _ops, _shapes, _signature
-rt = _dispatch.runtime()
+rt = _runtime.runtime()
 res = rt.resolver
 def sig(op, shape):
     x = torch.zeros(shape)
