@@ -125,75 +125,101 @@ def _value(v: Any, where: str) -> Any:
 
 def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
     """The graph signature of an AOTAutograd graph `gm` and how to call its executable (see GraphPlan)."""
-    placeholders: dict[torch.fx.Node, int] = {}
-    ext: dict[int, int] = {}       # placeholder index -> executable input index
-    ext_order: list[int] = []
-    produced: dict[torch.fx.Node, tuple[int, int]] = {}  # node -> (op index, output index)
-    nodes: list[dict[str, Any]] = []
-    copies: list[tuple[int, torch.fx.Node]] = []
-    written: dict[torch.fx.Node, int] = {}  # a `copy_` into a placeholder -> that placeholder
-    ops: list[str] = []
+    # 1. Walk the nodes: placeholders and constants become the executable's inputs, ops its nodes.
+    w = _Walk(gm)
+    for node in gm.graph.nodes:
+        w.visit(node)
+    # 2. The graph's outputs, then its input mutations (both may add executable outputs, in this order).
+    outputs = w.outputs()
+    plan_copies, writes, into = w.mutations()
+    sig: dict[str, Any] = {"op": f"graph:{kind}", "graph": w.nodes, "outputs": w.results}
+    if into:
+        sig["into"] = into
+    return GraphPlan(sig, w.ext_order, outputs, w.on_device, plan_copies, len(w.nodes), writes, w.constants)
 
-    constants: list[torch.Tensor] = []
-    const_index: dict[torch.fx.Node, int] = {}  # a get_attr tensor -> -(its index in `constants` + 1)
 
-    def wire(v: torch.fx.Node, where: str) -> tuple[list[Any], dict[str, Any]]:
-        if v in placeholders or v in const_index:
-            p = placeholders[v] if v in placeholders else const_index[v]
-            if p not in ext:
-                ext[p] = len(ext_order)
-                ext_order.append(p)
+class _Walk:
+    """One walk over an AOTAutograd graph, collecting what `signature` returns."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.placeholders: dict[torch.fx.Node, int] = {}
+        self.ext: dict[int, int] = {}       # placeholder index -> executable input index
+        self.ext_order: list[int] = []
+        self.produced: dict[torch.fx.Node, tuple[int, int]] = {}  # node -> (op index, output index)
+        self.nodes: list[dict[str, Any]] = []
+        self.copies: list[tuple[int, torch.fx.Node]] = []
+        self.written: dict[torch.fx.Node, int] = {}  # a `copy_` into a placeholder -> that placeholder
+        self.constants: list[torch.Tensor] = []
+        self.const_index: dict[torch.fx.Node, int] = {}  # a get_attr tensor -> -(its index in `constants` + 1)
+        self.out_node: torch.fx.Node | None = None
+        self.results: list[Any] = []
+        self.result_index: dict[tuple[int, int], int] = {}
+        self.on_device: list[bool] = []
+
+    def wire(self, v: torch.fx.Node, where: str) -> tuple[list[Any], dict[str, Any]]:
+        """Where an op's tensor input comes from (`["e", input]` or `["n", node(, output)]`) and its metadata."""
+        if v in self.placeholders or v in self.const_index:
+            p = self.placeholders[v] if v in self.placeholders else self.const_index[v]
+            if p not in self.ext:
+                self.ext[p] = len(self.ext_order)
+                self.ext_order.append(p)
             if p < 0:  # a constant: described by the tensor itself (get_attr nodes may carry no fake value)
-                return ["e", ext[p]], tensor_meta(constants[-1 - p])
-            return ["e", ext[p]], _meta(v, where)
-        if v in produced:
-            j, k = produced[v]
+                return ["e", self.ext[p]], tensor_meta(self.constants[-1 - p])
+            return ["e", self.ext[p]], _meta(v, where)
+        if v in self.produced:
+            j, k = self.produced[v]
             return (["n", j] if k == 0 else ["n", j, k]), _meta(v, where)
         raise GraphRefused(f"{where} comes from {v.op} {v.target}, which is not compiled")
 
-    for node in gm.graph.nodes:
+    def visit(self, node: torch.fx.Node) -> None:
         if node.op == "placeholder":
-            placeholders[node] = len(placeholders)
-            continue
+            self.placeholders[node] = len(self.placeholders)
+            return
         if node.op == "output":
-            out_node = node
-            continue
+            self.out_node = node
+            return
         if node.op == "get_attr":
-            value = gm
+            value: Any = self.gm
             for part in str(node.target).split("."):
                 value = getattr(value, part, None)
             if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
                 raise GraphRefused(f"node {node.name} is a get_attr of a {type(value).__name__}")
-            constants.append(value)
-            const_index[node] = -len(constants)
-            continue
+            self.constants.append(value)
+            self.const_index[node] = -len(self.constants)
+            return
         if node.op != "call_function":
             raise GraphRefused(f"node {node.name} is a {node.op} ({node.target})")
         target = node.target
         if target is operator.getitem:
             src, k = node.args
-            if src not in produced or produced[src][1] != 0 or not isinstance(k, int):
+            if src not in self.produced or self.produced[src][1] != 0 or not isinstance(k, int):
                 raise GraphRefused(f"getitem of {src} is not of an op's outputs")
-            produced[node] = (produced[src][0], k)
-            continue
+            self.produced[node] = (self.produced[src][0], k)
+            return
         if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
             raise GraphRefused(f"{target} is not an aten op")
         if torch.Tag.nondeterministic_seeded in target.tags and not _no_dropout(target, node):
             raise GraphRefused(f"{target} draws random numbers: run op by op, the CPU generator gives the "
                                "same values as eager neuron")
-        if target is torch.ops.aten.copy_.default and node.args[0] in placeholders:
+        if target is torch.ops.aten.copy_.default and node.args[0] in self.placeholders:
             # An input mutation AOTAutograd kept in the graph: the executable returns the new value,
             # the caller writes it into the input (as eager would, in place).
-            copies.append((placeholders[node.args[0]], node.args[1]))
-            written[node] = placeholders[node.args[0]]  # `copy_` returns its input: `s.add_(x)` returns s
-            continue
+            self.copies.append((self.placeholders[node.args[0]], node.args[1]))
+            self.written[node] = self.placeholders[node.args[0]]  # `copy_` returns its input: `s.add_(x)` returns s
+            return
         info = _info(target)
         if info.kind == "mutating" or any(a.mutable for a in info.args):
             raise GraphRefused(f"{info.qualname} mutates its inputs inside the graph")
-        schema = target._schema
+        args, wiring = self.op_args(info, node)
+        self.produced[node] = (len(self.nodes), 0)
+        self.nodes.append({"sig": {"op": info.qualname, "schema": str(target._schema), "args": args}, "in": wiring})
+
+    def op_args(self, info: OpInfo, node: torch.fx.Node) -> tuple[list[list[Any]], list[list[Any]]]:
+        """An op node's arguments as a signature's (`[name, kind, description]`) and its tensors' wiring."""
         args: list[list[Any]] = []
         wiring: list[list[Any]] = []
-        for i, (a, sa) in enumerate(zip(info.args, schema.arguments)):
+        for i, (a, sa) in enumerate(zip(info.args, node.target._schema.arguments)):  # type: ignore[union-attr]
             if i < len(node.args):
                 v = node.args[i]
             elif a.name in node.kwargs:
@@ -202,7 +228,7 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
                 v = sa.default_value if sa.has_default_value() else None
             where = f"{info.qualname} argument {a.name}"
             if a.kind in (TENSOR, OPT_TENSOR) and isinstance(v, torch.fx.Node):
-                w, d = wire(v, where)
+                w, d = self.wire(v, where)
                 wiring.append(w)
                 args.append([a.name, a.kind, d])
             elif a.kind in LIST_KINDS and isinstance(v, (list, tuple)):
@@ -211,7 +237,7 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
                     if x is None and a.kind == OPT_TENSORS:
                         descs.append(None)
                     elif isinstance(x, torch.fx.Node):
-                        w, d = wire(x, where)
+                        w, d = self.wire(x, where)
                         wiring.append(w)
                         descs.append(d)
                     else:
@@ -225,51 +251,51 @@ def signature(gm: torch.fx.GraphModule, kind: str) -> GraphPlan:
                 args.append([a.name, VALUE, None])
             else:  # Scalars, structural values, a number in a Tensor slot: specialised, keyed by value
                 args.append([a.name, VALUE, _value(v, where)])
-        produced[node] = (len(nodes), 0)
-        nodes.append({"sig": {"op": info.qualname, "schema": str(schema), "args": args}, "in": wiring})
-        ops.append(info.qualname)
+        return args, wiring
 
-    results: list[list[Any]] = []
-    result_index: dict[tuple[int, int], int] = {}
-    on_device: list[bool] = []
-
-    def result(v: torch.fx.Node) -> int:
-        j, k = produced[v]
-        if (j, k) not in result_index:
-            result_index[(j, k)] = len(results)
-            results.append(j if k == 0 else [j, k])
+    def result(self, v: torch.fx.Node) -> int:
+        """The executable's output index of node output `v` (made one the first time it is asked for)."""
+        j, k = self.produced[v]
+        if (j, k) not in self.result_index:
+            self.result_index[(j, k)] = len(self.results)
+            self.results.append(j if k == 0 else [j, k])
             val = _fake(v)
             _meta(v, f"output {v.name}")
-            on_device.append(val.device.type == _DEVICE)
-        return result_index[(j, k)]
+            self.on_device.append(val.device.type == _DEVICE)
+        return self.result_index[(j, k)]
 
-    outputs: list[tuple[str, Any]] = []
-    for v in out_node.args[0]:
-        if v is None:
-            outputs.append(("const", None))
-        elif isinstance(v, torch.fx.Node) and v in placeholders:
-            outputs.append(("in", placeholders[v]))
-        elif isinstance(v, torch.fx.Node) and v in written:
-            outputs.append(("in", written[v]))
-        elif isinstance(v, torch.fx.Node) and v in produced:
-            outputs.append(("x", result(v)))
-        else:
-            raise GraphRefused(f"graph output {v} is not a tensor the graph computes")
-    plan_copies: list[tuple[int, int]] = []
-    writes: list[int] = []
-    into: list[list[Any]] = []
-    for p, src in copies:
-        if src in placeholders:
-            raise GraphRefused("an input is overwritten by another input")
-        if src not in produced:
-            raise GraphRefused(f"input {p} is overwritten by {src}, which is not compiled")
-        if p in ext:  # read by the graph too: written in place by the executable
-            j, k = produced[src]
-            into.append([j if k == 0 else [j, k], ext[p]])
-            writes.append(p)
-        else:
-            plan_copies.append((p, result(src)))
-    sig: dict[str, Any] = {"op": f"graph:{kind}", "graph": nodes, "outputs": results}
-    if into:
-        sig["into"] = into
-    return GraphPlan(sig, ext_order, outputs, on_device, plan_copies, len(nodes), writes, constants)
+    def outputs(self) -> list[tuple[str, Any]]:
+        """The graph's outputs: a constant None, an input returned as it is, or an executable output."""
+        assert self.out_node is not None, "an FX graph ends in its output node"
+        outputs: list[tuple[str, Any]] = []
+        for v in self.out_node.args[0]:  # type: ignore[union-attr]
+            if v is None:
+                outputs.append(("const", None))
+            elif isinstance(v, torch.fx.Node) and v in self.placeholders:
+                outputs.append(("in", self.placeholders[v]))
+            elif isinstance(v, torch.fx.Node) and v in self.written:
+                outputs.append(("in", self.written[v]))
+            elif isinstance(v, torch.fx.Node) and v in self.produced:
+                outputs.append(("x", self.result(v)))
+            else:
+                raise GraphRefused(f"graph output {v} is not a tensor the graph computes")
+        return outputs
+
+    def mutations(self) -> tuple[list[tuple[int, int]], list[int], list[list[Any]]]:
+        """Input mutations: (copies the caller makes from outputs, inputs the executable writes, and the
+        signature's `into` for those)."""
+        plan_copies: list[tuple[int, int]] = []
+        writes: list[int] = []
+        into: list[list[Any]] = []
+        for p, src in self.copies:
+            if src in self.placeholders:
+                raise GraphRefused("an input is overwritten by another input")
+            if src not in self.produced:
+                raise GraphRefused(f"input {p} is overwritten by {src}, which is not compiled")
+            if p in self.ext:  # read by the graph too: written in place by the executable
+                j, k = self.produced[src]
+                into.append([j if k == 0 else [j, k], self.ext[p]])
+                writes.append(p)
+            else:
+                plan_copies.append((p, self.result(src)))
+        return plan_copies, writes, into
