@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# Helpers shared across the packages' test folders (rt_helpers.py, _httpcache.py) import by name.
+sys.path.insert(0, str(REPO / "tests"))
 
 # The bulk of the suite runs on the `reference` tier (no compiler); `aoti` tests opt in explicitly. A
 # private local cache keeps tests off the user's ~/.cache. Set before any test imports torch.
@@ -245,7 +247,6 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 def http_cache() -> Iterator[Any]:
     """Our bazel-remote-API test server (tests/_httpcache.py), in a thread; tests use their own instance
     prefix, or `reset()` a private one."""
-    sys.path.insert(0, str(REPO / "tests"))
     from _httpcache import CacheServer  # type: ignore[import-not-found]
 
     server = CacheServer(users={"ci": "ci-pw"}, tokens={"ci-token"}).start()

@@ -81,7 +81,7 @@ def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
 
 def private_reach_ins(root: Path) -> list[str]:
     """`module:line -> target` for each import of another package's private module (a name starting with
-    `_` below the package, e.g. `neuron_runtime.aten._dispatch`), per import statement."""
+    `_` below the package, e.g. `neuron_runtime.aten._runtime`), per import statement."""
     out = []
     for p in sorted((root / "neuron_runtime").rglob("*.py")):
         m = module_name(root, p)

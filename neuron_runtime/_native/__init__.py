@@ -1,6 +1,6 @@
 """The native hit path (`fastpath.cpp`): built once per torch install with the host C++ compiler.
 
-The Python kernels of `_dispatch` are the whole runtime; this extension serves their hit path without
+The Python kernels of `aten/` are the whole runtime; this extension serves their hit path without
 entering Python (view ops, and compute ops whose executable the Python slow path already made), and
 relabels host memory between `cpu` and `neuron` without a DLPack round trip. Without it (no C++ compiler,
 or TORCH_NEURONX_NATIVE=0) every op runs the same Python kernels, slower.

@@ -1,4 +1,4 @@
-"""Helpers shared by the `aoti` tests (on sys.path as the tests' directory, like tests/runtime/rt_helpers.py)."""
+"""Helpers shared by the `aoti` tests (on sys.path as the tests' directory, like tests/rt_helpers.py)."""
 
 from __future__ import annotations
 

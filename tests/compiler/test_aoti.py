@@ -377,13 +377,13 @@ def test_writes_overlap_finds_every_shared_byte() -> None:
 
 
 def _fusion_child(case: str, cache: Path) -> dict[str, Any]:
-    """tests/runtime/fusion_child.py's `case` with fusion on, on `aoti` (sync compiles, groups fused from
+    """tests/aten/fusion_child.py's `case` with fusion on, on `aoti` (sync compiles, groups fused from
     their second sighting, any size), over the local cache `cache`: its JSON report."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
     env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync", TORCH_NEURONX_ENABLE_CONCATENATION="1",
                TORCH_NEURONX_FUSION_MIN_SEEN="2", TORCH_NEURONX_FUSION_MIN_NUMEL="0",
                TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(cache))
-    r = subprocess.run([sys.executable, str(REPO / "tests" / "runtime" / "fusion_child.py"), case],
+    r = subprocess.run([sys.executable, str(REPO / "tests" / "aten" / "fusion_child.py"), case],
                        capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]

@@ -37,6 +37,6 @@ bounded queue (TORCH_NEURONX_COMPILE_QUEUE) is full: the client asks again later
 JSON object with a known "op", or a compile without a 64-hex key and 1 to 8 signature objects, gets
 {"op": "error", "reason": ...} and the connection goes on (nothing of it reaches a worker); a client that
 sends more than 4 MiB without a newline is told so and disconnected; at most 256 clients at once; a
-client that does not read its answers for 30 s is disconnected (tests/service/test_server.py,
+client that does not read its answers for 30 s is disconnected (tests/executables/test_server.py,
 test_fuzz.py).
 """

@@ -2,7 +2,7 @@
 compile service's protocol. Zero crashes, zero wrong results, no unbounded growth of threads or memory.
 
 FUZZ_EXAMPLES (default 300 each here) sets the number of cases; the issue's run uses 10,000:
-`FUZZ_EXAMPLES=10000 pytest tests/service/test_fuzz.py`."""
+`FUZZ_EXAMPLES=10000 pytest tests/executables/test_fuzz.py`."""
 
 from __future__ import annotations
 

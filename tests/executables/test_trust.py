@@ -177,7 +177,7 @@ def test_a_manifest_cannot_make_a_key_run_another_executable(tmp_path: Path) -> 
 
 
 # -- 3. the compile service survives what its clients send ------------------------------------------------
-# (malformed requests and killer signatures against the service itself: tests/service/test_server.py)
+# (malformed requests and killer signatures against the service itself: tests/executables/test_server.py)
 
 
 # -- 4. a host that cannot use a fleet entry leaves it alone; transient failures are not cached ------------

@@ -1,4 +1,4 @@
-"""Fixtures of the runtime tests (helpers live in rt_helpers.py)."""
+"""Fixtures of the graphs/ tests (helpers live in tests/rt_helpers.py)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,8 @@ import torch
 import neuron_runtime
 from neuron_runtime import _config
 from neuron_runtime.aten import _runtime
+from neuron_runtime.compiler import CompileRefused
+from neuron_runtime.compiler._reference import ReferenceCompiler
 
 DEV = "neuron"
 
@@ -67,3 +69,18 @@ def _run(cmd: list[str], env: dict[str, str] | None, timeout: float) -> subproce
 
 
 _ = (neuron_runtime, _config)
+
+
+class RefusingCompiler(ReferenceCompiler):
+    """The reference tier, refusing the ops named (what a real compiler does for ops it cannot lower)."""
+
+    def __init__(self, refuse: set[str]) -> None:
+        self.refuse = refuse
+
+    def fingerprint(self) -> dict[str, Any]:  # its own keys: refusals cached by it stay its own
+        return {**super().fingerprint(), "test": "refusing " + ",".join(sorted(self.refuse))}
+
+    def compile(self, signature: dict[str, Any]) -> bytes:
+        if signature["op"] in self.refuse:
+            raise CompileRefused(f"{signature['op']} is not supported by this compiler")
+        return super().compile(signature)

@@ -25,7 +25,7 @@ from neuron_runtime.cache._registry import open_store
 from rt_helpers import DEV, run_python
 
 native = pytest.mark.skipif(_hostmem.NATIVE is None, reason="the device track lives in the native layer")
-HOOKS = Path(__file__).resolve().parents[1] / "service" / "hooks"
+HOOKS = Path(__file__).resolve().parents[1] / "executables" / "hooks"
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_no_device_activity_without_a_profiler_or_with_cpu_only(cold: _runtime.R
 
 def test_host_runs_and_fallbacks_are_named(fresh_runtime: _runtime.Runtime, monkeypatch: pytest.MonkeyPatch,
                                            tmp_path: Path) -> None:
-    from test_dispatch import RefusingCompiler
+    from rt_helpers import RefusingCompiler
 
     monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
     a = torch.randn(8, device=DEV)

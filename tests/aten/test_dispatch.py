@@ -14,22 +14,7 @@ from neuron_runtime.aten import _host, _kernels, _runtime
 from neuron_runtime.compiler import CompileRefused
 from neuron_runtime.compiler._reference import ReferenceCompiler
 from neuron_runtime.signatures import _signature, classify
-from rt_helpers import DEV, assert_same, run_python
-
-
-class RefusingCompiler(ReferenceCompiler):
-    """The reference tier, refusing the ops named (what a real compiler does for ops it cannot lower)."""
-
-    def __init__(self, refuse: set[str]) -> None:
-        self.refuse = refuse
-
-    def fingerprint(self) -> dict[str, Any]:  # its own keys: refusals cached by it stay its own
-        return {**super().fingerprint(), "test": "refusing " + ",".join(sorted(self.refuse))}
-
-    def compile(self, signature: dict[str, Any]) -> bytes:
-        if signature["op"] in self.refuse:
-            raise CompileRefused(f"{signature['op']} is not supported by this compiler")
-        return super().compile(signature)
+from rt_helpers import DEV, RefusingCompiler, assert_same, run_python
 
 
 class BrokenCompiler(ReferenceCompiler):
