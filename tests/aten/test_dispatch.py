@@ -11,7 +11,6 @@ import torch
 
 import neuron_runtime
 from neuron_runtime.aten import _host, _kernels, _runtime
-from neuron_runtime.compiler import CompileRefused
 from neuron_runtime.compiler._reference import ReferenceCompiler
 from neuron_runtime.signatures import _signature, classify
 from rt_helpers import DEV, RefusingCompiler, assert_same, run_python
