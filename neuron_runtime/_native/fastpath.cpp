@@ -1,7 +1,7 @@
 // The native hit path of neuron-runtime (see neuron_runtime/_native/__init__.py and docs/dispatch.md).
 //
-// Everything here is an accelerator for what the Python kernels in `_dispatch.py` already do; every
-// case this file does not handle goes to them unchanged:
+// Everything here is an accelerator for what the Python kernels of `aten/` (`_codegen.py`, `_runtime.py`)
+// already do; every case this file does not handle goes to them unchanged:
 //   * relabelling host memory between the `cpu` and `neuron` devices (no DLPack round trip);
 //   * view ops: the CPU kernel runs on the neuron tensor itself (metadata only);
 //   * compute and in-place ops: the key of a call is built from the dispatcher's stack, looked up in a
