@@ -137,4 +137,3 @@ def status() -> str:
     if _module is not None:
         return f"loaded ({_module.__file__})"
     return _error or "not loaded"
-

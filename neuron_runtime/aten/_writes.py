@@ -68,8 +68,8 @@ def _result_metas(info: OpInfo, values: tuple[Any, ...]) -> list[torch.Tensor] |
     left out), in order; None when it has no meta kernel or refuses them."""
     f = info.functional or info
     try:
-        args, kwargs = info.call_args([_metas(v) for v in values])
-        out = f.op(*args, **{a.name: kwargs[a.name] for a in info.args if a.name in kwargs and not a.mutable})
+        args, kwargs = info.call_args(values, outs=False)
+        out = f.op(*map(_metas, args), **{k: _metas(v) for k, v in kwargs.items()})
     except Exception:  # noqa: BLE001
         return None
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]

@@ -156,10 +156,11 @@ class OpInfo:
     n_returns: int = 0
     returns_list: bool = False    # returns a single Tensor[]
 
-    def call_args(self, values: Any) -> tuple[list[Any], dict[str, Any]]:
-        """`values` (one per schema argument, in order) as a call's positional and keyword-only arguments."""
+    def call_args(self, values: Any, outs: bool = True) -> tuple[list[Any], dict[str, Any]]:
+        """`values` (one per schema argument, in order) as a call's positional and keyword-only arguments;
+        `outs=False` leaves out the mutable keyword-only ones (an out= op's outputs)."""
         args = [v for a, v in zip(self.args, values) if not a.kwarg_only]
-        kwargs = {a.name: v for a, v in zip(self.args, values) if a.kwarg_only}
+        kwargs = {a.name: v for a, v in zip(self.args, values) if a.kwarg_only and (outs or not a.mutable)}
         return args, kwargs
 
     def functional_values(self, values: Any) -> tuple[Any, ...]:
