@@ -423,6 +423,13 @@ class AotiCompiler(Compiler):
         _compare(job, got, want, held)
 
     # -- load ---------------------------------------------------------------------------------------
+    def payload_signature(self, payload: bytes) -> dict[str, Any] | None:
+        try:
+            sig = _package.read_meta(payload).get("signature")
+        except _package.ArtifactMismatch as e:
+            raise ValueError(str(e)) from e
+        return sig if isinstance(sig, dict) else None
+
     def load(self, payload: bytes) -> Executable:
         meta, members = _package.read(payload)
         if meta.get("format") != _package.ARTIFACT_FORMAT:

@@ -116,6 +116,15 @@ class Compiler(abc.ABC):
     @abc.abstractmethod
     def load(self, payload: bytes) -> Executable: ...
 
+    def payload_signature(self, payload: bytes) -> dict[str, Any] | None:
+        """The signature an artifact records inside itself (what it was compiled for), read without
+        loading it; None for a tier whose artifacts record none. An entry's header names a signature too,
+        but the header is only the envelope's word: the resolver loads a payload only when its own record
+        gives the entry's key (`Resolver.load_entry`), so a header cannot vouch for bytes that compute
+        another op. A Neuron compiler returns what its NEFF's metadata records. Raises ValueError for a
+        payload that is not one of this tier's artifacts."""
+        return None
+
     def compile_many(self, signatures: Sequence[dict[str, Any]]) -> list[Compiled]:
         """One `Compiled` per signature (see the module docstring); this default compiles one by one."""
         out = []

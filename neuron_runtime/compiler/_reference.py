@@ -116,6 +116,13 @@ class ReferenceCompiler(Compiler):
             build_call(signature, resolve(signature["op"]))  # refuse now, not at load time
         return canonical({"format": "reference-v1", "signature": signature})
 
+    def payload_signature(self, payload: bytes) -> dict[str, Any] | None:
+        desc = json.loads(payload)
+        if not isinstance(desc, dict) or desc.get("format") != "reference-v1":
+            raise ValueError("not a reference-v1 descriptor")
+        sig = desc.get("signature")
+        return sig if isinstance(sig, dict) else None
+
     def load(self, payload: bytes) -> Executable:
         desc = json.loads(payload)
         if desc.get("format") != "reference-v1":

@@ -34,6 +34,7 @@ from typing import Any
 from ..cache import envelope
 from ..cache import IntegrityError
 from ..cache import check_key
+from ._entries import REFUSED
 
 TYPE = "neuron_neff"
 MAX_ENTRY = 1 << 30  # an entry is a few MB at most; a larger artifact is not one of ours
@@ -111,6 +112,10 @@ def populate(key: str, data: bytes) -> bool:
         return False
     if derived != key:
         _refuse(key, f"its signature gives key {derived}, not its own")
+        return False
+    why = None if header.get(REFUSED) else resolver.payload_mismatch(key, entry.payload)
+    if why:
+        _refuse(key, why)
         return False
     if not cache.writable:
         _refuse(key, "the cache is readonly (TORCH_NEURONX_CACHE_MODE=readonly)")

@@ -260,6 +260,9 @@ class Resolver:
         if not ok:
             raise self._unloadable(key, str(sig.get("op") if isinstance(sig, dict) else "?"),
                                    "its header names another signature than its key's")
+        why = self.payload_mismatch(key, entry.payload)
+        if why:
+            raise self._unloadable(key, str(sig.get("op")), why)
         try:
             exe = self._load(key, entry)
         except CompileRefused:
@@ -268,6 +271,21 @@ class Resolver:
             raise self._unloadable(key, str(sig.get("op")), f"{type(e).__name__}: {str(e)[:300]}") from e
         self.count("loads")
         return exe
+
+    def payload_mismatch(self, key: str, payload: bytes) -> str | None:
+        """Why `payload` may not serve `key` (None if it may): the signature the artifact records inside
+        itself (`Compiler.payload_signature`) must give `key` too. The header's signature is checked
+        against the key by every reader, but a header is only the envelope's word: an unsigned entry (a
+        Mega-Cache bundle, a peer's answer) could name the right signature over another op's bytes."""
+        try:
+            own = self.compiler.payload_signature(payload)
+            if own is None:
+                return None  # a tier whose artifacts record no signature (documented in compiler._base)
+            if self.key(own) == key:
+                return None
+            return f"its payload was compiled for {str(own.get('op'))[:80]}, another signature than its key's"
+        except Exception as e:  # noqa: BLE001 - bytes from outside: any failure to read them is a refusal
+            return f"its payload does not say what it computes ({type(e).__name__}: {str(e)[:200]})"
 
     def _load(self, key: str, entry: Any) -> Executable:
         """The executable of a verified entry (a profiler range); the entry is `used` once it loaded."""

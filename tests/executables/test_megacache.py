@@ -194,3 +194,39 @@ def test_readonly_mode_stores_nothing(signed: _runtime.Runtime, monkeypatch: pyt
     with pytest.warns(UserWarning, match="readonly"):
         torch.compiler.load_cache_artifacts(bundle_of([(key, data)]))
     assert rt.cache is not None and rt.cache.get_local(key) is None
+
+
+def test_a_payload_that_computes_another_op_is_never_loaded(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_runtime: _runtime.Runtime) -> None:
+    """Issue 41 item 5: an unsigned artifact whose header names `add`'s signature (and so its key) over a
+    payload compiled for `sub` (x + x = 0) is refused when the bundle loads, and an entry like it already
+    in the local tier (written there before this check existed, or by hand) is never run: the op is
+    right, on the host."""
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "local"))
+    monkeypatch.delenv("TORCH_NEURONX_CACHE_SIGNING_KEY", raising=False)
+    monkeypatch.setenv("TORCH_NEURONX_SHAPES", "static")  # the exact key is the one looked up
+    monkeypatch.setenv("TORCH_NEURONX_COMPILE_MODE", "sync")
+    rt = _runtime.reset_runtime()
+
+    def forged(n: int) -> tuple[str, bytes]:
+        a = torch.randn(n)
+        add = _signature.build(_ops.classify("aten::add.Tensor"), (a, a, 1))  # `x + x` passes alpha=1
+        sub = _signature.build(_ops.classify("aten::sub.Tensor"), (a, a, 1))
+        key = _signature.cache_key(add, rt.fingerprint)
+        return key, envelope.pack(key, {"signature": add, "fingerprint": rt.fingerprint},
+                                  rt.compiler.compile(sub), None)
+
+    k1, e1 = forged(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compiler.load_cache_artifacts(bundle_of([(k1, e1)]))
+    refused = [str(w.message) for w in caught if "Mega-Cache artifact" in str(w.message)]
+    assert len(refused) == 1 and "payload was compiled for aten::sub.Tensor" in refused[0], refused
+    cache = rt.cache
+    assert cache is not None and cache.get_local(k1) is None
+
+    k2, e2 = forged(5)
+    assert cache.local.put(k2, e2)  # as if a bundle had persisted it before this check
+    x = torch.arange(5.0, device=DEV)
+    assert torch.equal((x + x).cpu(), torch.arange(5.0) * 2)
+    assert "payload was compiled for aten::sub.Tensor" in rt.resolver.unloadable.get(k2, "")
