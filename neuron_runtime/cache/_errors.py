@@ -15,7 +15,7 @@ class IntegrityError(CacheError):
 
     def __init__(self, reason: str, detail: str = "") -> None:
         #: a short machine-readable reason: "magic", "version", "truncated", "digest", "key",
-        #: "unsigned", "signature", "header", "pickled".
+        #: "unsigned", "signature", "header", "payload" (it records another signature), "pickled".
         self.reason = reason
         super().__init__(f"{reason}: {detail}" if detail else reason)
 

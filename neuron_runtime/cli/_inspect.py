@@ -9,6 +9,7 @@ pruning a cache that running jobs use costs them at most a recompile, never a to
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -224,7 +225,44 @@ def check_entry(key: str, data: bytes, signing_key: bytes | None) -> envelope.En
         raise IntegrityError("header", f"signature/fingerprint cannot be keyed: {e}") from e
     if expected != key:
         raise IntegrityError("header", f"signature and fingerprint in the header hash to {expected}, not to the key")
+    _check_payload(key, entry)
     return entry
+
+
+@functools.lru_cache(maxsize=None)
+def _payload_reader(tier: str) -> Any:
+    """A compiler of tier `tier` to read what its payloads record (`Compiler.payload_signature`); None
+    for a tier this runtime does not know."""
+    from neuron_runtime.compiler import get_compiler
+
+    try:
+        return get_compiler(tier)
+    except ValueError:
+        return None
+
+
+def _check_payload(key: str, entry: envelope.Entry) -> None:
+    """The signature an executable's payload records must give its key too (as `Resolver.load_entry`
+    checks at every load): a header over another op's bytes is a bad entry."""
+    from neuron_runtime.signatures import cache_key
+
+    h = entry.header
+    fp = h.get("fingerprint")
+    if h.get("refused") or h.get("kind") == "manifest" or not isinstance(fp, dict):
+        return
+    reader = _payload_reader(str(fp.get("tier")))
+    if reader is None:
+        return
+    try:
+        own = reader.payload_signature(entry.payload)
+        if own is None:
+            return
+        got = cache_key(own, fp)
+    except (TypeError, ValueError) as e:
+        raise IntegrityError("payload", f"the payload does not say what it computes: {e}") from e
+    if got != key:
+        raise IntegrityError("payload", f"the payload was compiled for {str(own.get('op'))[:80]}, "
+                                        "another signature than its key's")
 
 
 def _quarantine(cfg: _config.Config, tier: str, key: str, reason: str, data: bytes | None) -> str | None:

@@ -47,8 +47,10 @@ def sig_n(i: int) -> dict[str, Any]:
 def entry(sig: dict[str, Any], fp: dict[str, Any] = FP, size: int = 48_000,
           signing_key: bytes | None = None) -> tuple[str, bytes]:
     key = _signature.cache_key(sig, fp)
-    payload = (json.dumps(sig).encode() * (size // 200 + 1))[:size]
-    return key, envelope.pack(key, {"signature": sig, "fingerprint": fp}, payload, signing_key)
+    # A reference tier's descriptor (what `verify` reads the payload's own signature from), padded.
+    desc = {"format": "reference-v1", "signature": sig, "pad": ""}
+    desc["pad"] = "x" * max(0, size - len(json.dumps(desc)))
+    return key, envelope.pack(key, {"signature": sig, "fingerprint": fp}, json.dumps(desc).encode(), signing_key)
 
 
 def fill(directory: Path, sigs: list[dict[str, Any]], fp: dict[str, Any] = FP, size: int = 48_000,
@@ -123,15 +125,21 @@ def test_verify_quarantines_damaged_entries_and_exits_nonzero(tmp_path: Path,
     # 2. an intact envelope that lies about what it is: its header's signature does not hash to its key
     lying_key, _ = entry(sig_n(10))
     lie = envelope.pack(lying_key, {"signature": sig_n(11), "fingerprint": FP}, b"x" * 40_000, None)
+    # 3. a right header over another op's bytes: the payload records SUM's signature
+    _, other = entry(SUM)
+    forged_key, _ = entry(sig_n(12))
+    forged = envelope.pack(forged_key, {"signature": sig_n(12), "fingerprint": FP},
+                           envelope.unpack(other, expected_key=_signature.cache_key(SUM, FP), signing_key=None).payload, None)
     cache = LocalCache(str(local), 1 << 34)
-    assert cache.put(lying_key, lie)
+    assert cache.put(lying_key, lie) and cache.put(forged_key, forged)
     cache.close()
 
     rc, out, err = run(capsys, "verify", "--local-dir", str(local), "--json")
     assert rc == 1
-    assert out["checked"] == 5 and out["ok"] == 3
+    assert out["checked"] == 6 and out["ok"] == 3
     reasons = {b["key"]: b["reason"] for b in out["bad"]}
-    assert reasons[lying_key] == "header" and sorted(reasons.values()) == ["digest", "header"]
+    assert reasons[forged_key] == "payload"
+    assert reasons[lying_key] == "header" and sorted(reasons.values()) == ["digest", "header", "payload"]
     damaged = next(k for k, r in reasons.items() if r == "digest")
     assert damaged in keys and f"BAD local {damaged}" in err
     for b in out["bad"]:
@@ -141,7 +149,7 @@ def test_verify_quarantines_damaged_entries_and_exits_nonzero(tmp_path: Path,
     rc, again, _ = run(capsys, "verify", "--local-dir", str(local), "--json")
     assert rc == 0 and again["bad"] == [] and again["ok"] == 3
     rc, st, _ = run(capsys, "stats", "--local-dir", str(local), "--json")
-    assert st["quarantined"] == 2
+    assert st["quarantined"] == 3
 
 
 def test_verify_with_a_signing_key_refuses_unsigned_entries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
