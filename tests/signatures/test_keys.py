@@ -62,7 +62,7 @@ def test_a_layout_pytorch_guesses_from_size_one_strides_stays_in_the_key() -> No
     # eager's own answer, with the output layout as the witness).
     rng = random.Random(0)
     w = torch.randn(3, 2, 1, 1)
-    for _ in range(60):
+    for _ in range(40):
         sizes = [rng.choice([1, 1, 2, 3]), 2, rng.choice([1, 1, 2]), rng.choice([1, 1, 2])]
         perm = rng.sample(range(4), 4)
         strides, step = [0] * 4, 1
