@@ -14,7 +14,7 @@ and `--train`: the Llama trained one step at each of 6 new batch sizes (sequence
 step (after the first sizes the target is 0).
 
     python benchmarks/decode.py [--tier reference|aoti] [--rounds R] [--models llama,gpt2] [--static]
-                                [--train] [--cache-dir DIR]
+                                [--train] [--batches 1,4] [--sampling greedy,seeded] [--cache-dir DIR]
 
 OMP_NUM_THREADS=1 and one CPU thread on both sides; the load average is printed (stderr) and recorded.
 """
@@ -35,6 +35,7 @@ import torch, neuron_runtime
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 torch.set_num_threads(1)
 model_name, rounds, static, train = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
+batches, samplings = [int(b) for b in sys.argv[5].split(",")], [s == "seeded" for s in sys.argv[6].split(",")]
 V, PROMPT, PAD = 256, 8, 0
 
 def make():
@@ -75,8 +76,8 @@ def gen(model, device, ids, mask, n, sample):
         return model.generate(ids.to(device), attention_mask=mask.to(device), **kw).cpu()
 
 results = []
-for batch in (1, 4):
-    for sample in (False, True):
+for batch in batches:
+    for sample in samplings:
         ids, mask = inputs(batch)
         calls = []
         for n in (8, 16, 48):
@@ -124,6 +125,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="llama,gpt2")
     p.add_argument("--static", action="store_true", help='also run cache_implementation="static"')
     p.add_argument("--train", action="store_true", help="also train the Llama at 6 new batch sizes")
+    p.add_argument("--batches", default="1,4", help="batch sizes (rows after the first are left-padded)")
+    p.add_argument("--sampling", default="greedy,seeded")
     p.add_argument("--cache-dir", help="keep executables here (default: a fresh temporary directory per run)")
     return p
 
@@ -133,8 +136,9 @@ def _run(model: str, static: bool, args: argparse.Namespace, cache: str) -> dict
                TORCH_NEURONX_PREFETCH="0", TORCH_NEURONX_NEFF_CACHE_DIR=os.path.join(cache, "fleet"),
                TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=os.path.join(cache, "local"), HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
-    out = subprocess.run([sys.executable, "-c", CHILD, model, str(args.rounds), "1" if static else "0",
-                          "1" if args.train else "0"], env=env, stdout=subprocess.PIPE, text=True, check=True)
+    argv = [sys.executable, "-c", CHILD, model, str(args.rounds), "1" if static else "0", "1" if args.train else "0",
+            args.batches, args.sampling]
+    out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, check=True)
     result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
