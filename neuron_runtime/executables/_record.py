@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..signatures import build_signature, canonical, has_nodes
+from ..signatures import build_signature, canonical, canonical_signature, has_nodes
 
 
 class RecordError(ValueError):
@@ -95,7 +95,8 @@ def check_signature(sig: Any) -> dict[str, Any]:
 
 def parse_line(text: str) -> dict[str, Any]:
     """The signature of one signature record (a line). Also accepts a bare signature object (what strict-mode errors
-    and `neuron-cache explain` print). Raises ValueError with the reason."""
+    and `neuron-cache explain` print). Strides come back canonical (`canonical_signature`: a record of an older
+    runtime keys as this runtime's calls do). Raises ValueError with the reason."""
     try:
         rec = json.loads(text)
     except ValueError as e:
@@ -104,8 +105,8 @@ def parse_line(text: str) -> dict[str, Any]:
         sig = check_signature(rec["signature"])
         if "op" in rec and rec["op"] != sig["op"]:
             raise ValueError(f"'op' {rec['op']!r} does not match the signature's op {sig['op']!r}")
-        return sig
-    return check_signature(rec)
+        return canonical_signature(sig)
+    return canonical_signature(check_signature(rec))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ resolves them) and `compiler/` (which compiles them). The bottom of the runtime;
     _ops.py        an aten op's kind and argument kinds, decided once from its schema (ops as data);
                    `OpInfo.call_args` splits a call's values, `tensors_in` is the one switch on an
                    argument's kind
-    _signature.py  a call's signature (canonical JSON) and its cache key (sha256 with the fingerprint)
+    _signature.py  a call's signature (canonical JSON, canonical strides) and its cache key (sha256 with the
+                   fingerprint)
     _shapes.py     shape classes: one executable for a family of shapes; `kind_of` says what a signature
                    is (op, class, fused group, graph) and `nodes_of` gives a group's or graph's ops
 
@@ -51,6 +52,8 @@ from ._signature import (
     build as build_signature,
     cache_key,
     canonical,
+    canonical_signature,
+    canonical_strides,
     decode_dtype,
     decode_value,
     encode_value,
@@ -61,6 +64,7 @@ from ._signature import (
 __all__ = [
     "FACTORY_OUT", "GENERATOR", "LIST_KINDS", "OPT_TENSOR", "OPT_TENSORS", "OTHER", "SCALAR", "SCALARS", "TENSOR",
     "TENSORS", "TENSOR_KINDS", "VALUE", "OpInfo", "SignatureError", "build_signature", "cache_key", "canonical",
+    "canonical_signature", "canonical_strides",
     "class_example", "classify", "cpu_ops", "decode_dtype", "decode_value", "describe_shapes", "encode_value",
     "flat_class", "has_nodes", "is_class", "is_flat", "is_wrapped", "kind_of", "nodes_of", "other_instance",
     "policy_allows", "qualname_of", "resolve_op", "scalar_overload", "shape_classes", "tensor_descs", "tensor_meta",

@@ -5,7 +5,12 @@ Two forms of the same fact:
   * the signature: canonical JSON built once per new in-process key, whose sha256 (together with the
     compiler's fingerprint) is the persistent cache key. Never Python `hash()`.
 
-Tensors enter by dtype, sizes and strides. Not keyed, on purpose:
+Tensors enter by dtype, sizes and strides (`tensor_meta`). Not keyed, on purpose (each leaves out
+something that cannot change what an executable computes; docs/dispatch.md "What a key leaves out"):
+  * the stride of a size-1 dimension, and every stride of an empty tensor: no element is ever addressed
+    through them (PyTorch's own contiguity tests skip them). They enter as canonical values
+    (`canonical_strides`), so a slice `ids[:, -1:]` of a buffer that grows by a column per token keys
+    the same at every position;
   * storage offset: executables read through the data pointer, so an offset cannot change what they
     compute; keying it would compile one executable per slice position (KV caches, row slices).
   * grad mode and requires_grad: the kernels run below autograd, where neither changes what an aten op
@@ -51,7 +56,90 @@ def is_wrapped(desc: Any) -> bool:
 
 
 def tensor_meta(t: torch.Tensor) -> dict[str, Any]:
-    return {"dtype": _DTYPE_NAMES[t.dtype], "sizes": list(t.shape), "strides": list(t.stride())}
+    """A tensor's description in a signature: dtype, sizes, canonical strides (`canonical_strides`)."""
+    sizes = list(t.shape)
+    return {"dtype": _DTYPE_NAMES[t.dtype], "sizes": sizes, "strides": canonical_strides(sizes, list(t.stride()))}
+
+
+def canonical_strides(sizes: list[int], strides: list[int]) -> list[int]:
+    """`strides` with what cannot change a result replaced by canonical values; equal for any two layouts
+    that address the same elements the same way.
+
+    1. An empty tensor addresses nothing: its strides are the contiguous ones.
+    2. A size-1 dimension is only ever indexed with 0: its stride becomes the contiguous value over the
+       dimensions inside it (`stride[i+1] * size[i+1]`, 1 for the last), which is what a fresh tensor has,
+       so a contiguous tensor's strides are already canonical and its signature (and key) is unchanged.
+    3. Except where PyTorch's memory-format guess would change: eager's `suggest_memory_format` reads
+       size-1 strides (an [N, C, 1, 1] tensor with strides [C, 1, C, C] counts as channels_last, and a
+       convolution then returns channels_last). A 4-D or 5-D tensor keeps that guess: its size-1 strides
+       are then the channels_last values instead, or, if neither keeps it, its own.
+    """
+    if 1 not in sizes and 0 not in sizes:  # the common case: nothing to replace
+        return strides
+    out = list(strides)
+    if 0 in sizes:
+        expected = 1
+        for i in reversed(range(len(sizes))):
+            out[i] = expected
+            expected *= max(sizes[i], 1)
+        return out
+    for i in reversed(range(len(sizes))):
+        if sizes[i] == 1:
+            out[i] = out[i + 1] * sizes[i + 1] if i + 1 < len(sizes) else 1
+    order = _CHANNELS_LAST_ORDER.get(len(sizes))
+    if order is None or out == strides:
+        return out
+    guess = _strides_like_channels_last(sizes, strides, order)
+    if _strides_like_channels_last(sizes, out, order) == guess:
+        return out
+    last = list(strides)
+    inner = 1
+    for d in order:  # innermost first, in channels_last's order
+        if sizes[d] == 1:
+            last[d] = inner
+        else:
+            inner = strides[d] * sizes[d]
+    return last if _strides_like_channels_last(sizes, last, order) == guess else list(strides)
+
+
+# Rank -> the dims from innermost to outermost of its channels_last format (c10/core/MemoryFormat.h).
+_CHANNELS_LAST_ORDER = {4: (1, 3, 2, 0), 5: (1, 4, 3, 2, 0)}
+
+
+def _strides_like_channels_last(sizes: list[int], strides: list[int], order: tuple[int, ...]) -> bool:
+    """c10's `is_channels_last_strides_2d_s4` / `_3d_s5`, which `suggest_memory_format` asks."""
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in order:
+        if sizes[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
+            return False
+        low = strides[d] * sizes[d] if sizes[d] > 1 else strides[d]
+    return True
+
+
+def canonical_signature(sig: dict[str, Any]) -> dict[str, Any]:
+    """`sig` with every exact tensor description's strides canonical (`canonical_strides`), for signatures
+    that come from elsewhere (a record file written by an older runtime): the signature this runtime's
+    calls of the same shapes build. Symbolic (shape-class) descriptions are left as they are."""
+    def fix(d: Any) -> Any:
+        if isinstance(d, list):
+            return [fix(x) for x in d]
+        if isinstance(d, dict) and "sizes" in d and "strides" in d:
+            sizes, strides = d["sizes"], d["strides"]
+            if all(type(n) is int for n in (*sizes, *strides)) and len(sizes) == len(strides):
+                return {**d, "strides": canonical_strides(list(sizes), list(strides))}
+        return d
+
+    out = dict(sig)
+    if isinstance(sig.get("args"), list):
+        out["args"] = [[a[0], a[1], fix(a[2])] if isinstance(a, list) and len(a) == 3 else a for a in sig["args"]]
+    if isinstance(sig.get("graph"), list):
+        out["graph"] = [{**n, "sig": canonical_signature(n["sig"])} if isinstance(n, dict) and
+                        isinstance(n.get("sig"), dict) else n for n in sig["graph"]]
+    if isinstance(sig.get("example"), dict):
+        out["example"] = canonical_signature(sig["example"])
+    return out
 
 
 def encode_value(v: Any) -> Any:
