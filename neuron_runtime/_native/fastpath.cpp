@@ -366,6 +366,53 @@ enum Tag : int64_t {
   T_INTLIST = -8, T_STRING = -9, T_DEVICE = -10, T_DOUBLELIST = -11, T_BOOLLIST = -12, T_LIST = -13,
 };
 
+// Whether a 4-D or 5-D layout reads as channels_last to `suggest_memory_format` (c10's own test).
+inline bool channels_last_guess(c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  return sizes.size() == 4 ? c10::is_channels_last_strides_2d(sizes, strides)
+                           : c10::is_channels_last_strides_3d(sizes, strides);
+}
+
+// The strides of a tensor with a size-0 or size-1 dim as its signature keys them (signatures/_signature.py,
+// `canonical_strides`, step for step): strides no element is addressed through become the values a fresh
+// tensor has, except where that would change eager's channels_last guess. So a slice `ids[:, -1:]` of a
+// buffer that grows by a column per token keys the same native entry at every position.
+void canonical_stride_words(c10::IntArrayRef sizes, c10::IntArrayRef strides, Key& key) {
+  const size_t n = sizes.size();
+  c10::SmallVector<int64_t, 6> out(strides.begin(), strides.end());
+  bool empty = false;
+  for (int64_t v : sizes) empty = empty || v == 0;
+  if (empty) {  // 1. an empty tensor addresses nothing: contiguous strides
+    int64_t expected = 1;
+    for (size_t i = n; i-- > 0;) {
+      out[i] = expected;
+      expected *= std::max<int64_t>(sizes[i], 1);
+    }
+  } else {  // 2. a size-1 dim: the contiguous value over the dims inside it
+    for (size_t i = n; i-- > 0;) {
+      if (sizes[i] == 1) out[i] = i + 1 < n ? out[i + 1] * sizes[i + 1] : 1;
+    }
+    // 3. a 4-D or 5-D tensor keeps eager's channels_last guess
+    if ((n == 4 || n == 5) && !std::equal(out.begin(), out.end(), strides.begin())) {
+      const bool guess = channels_last_guess(sizes, strides);
+      if (channels_last_guess(sizes, out) != guess) {
+        static const int order4[] = {1, 3, 2, 0};
+        static const int order5[] = {1, 4, 3, 2, 0};
+        const int* order = n == 4 ? order4 : order5;
+        c10::SmallVector<int64_t, 6> last(strides.begin(), strides.end());
+        int64_t inner = 1;
+        for (size_t j = 0; j < n; ++j) {
+          const int d = order[j];
+          if (sizes[d] == 1) last[d] = inner;
+          else inner = strides[d] * sizes[d];
+        }
+        if (channels_last_guess(sizes, last) == guess) out = last;
+        else out.assign(strides.begin(), strides.end());
+      }
+    }
+  }
+  for (int64_t v : out) key.push_back(v);
+}
+
 // The key words of a neuron tensor; false for anything else (the Python kernel decides those).
 inline bool tensor_words(const at::Tensor& t, Key& key) {
   if (!t.defined()) return false;
@@ -379,8 +426,13 @@ inline bool tensor_words(const at::Tensor& t, Key& key) {
   auto sizes = impl->sizes();
   auto strides = impl->strides();
   key.push_back(static_cast<int64_t>(sizes.size()));
-  for (int64_t v : sizes) key.push_back(v);  // (a loop: ranges this short cost more through insert)
-  for (int64_t v : strides) key.push_back(v);
+  bool degenerate = false;  // a size-0 or size-1 dim: some strides key as canonical values
+  for (int64_t v : sizes) {  // (a loop: ranges this short cost more through insert)
+    key.push_back(v);
+    degenerate = degenerate || v <= 1;
+  }
+  if (degenerate) canonical_stride_words(sizes, strides, key);
+  else for (int64_t v : strides) key.push_back(v);
   return true;
 }
 
