@@ -30,6 +30,23 @@ def test_the_suite_runs_on_the_native_layer() -> None:
 
 
 @native
+def test_a_size_one_dims_stride_keys_no_new_native_entry(fresh_runtime: _runtime.Runtime) -> None:
+    """Issue 43: a decode loop reads `ids[:, -1:]` of a buffer one column wider each token; the [1, 1]
+    slice's size-1 dim has a new stride every time, which no kernel reads: the native entry serves them
+    all (its key words are the signature's canonical strides), as it serves a channels_last guess apart."""
+    def last(t: int) -> torch.Tensor:
+        return torch.arange(t, dtype=torch.int64, device=DEV).reshape(1, t)[:, -1:]
+
+    for t in (3, 4):  # the Python kernel compiles, then the native kernel learns the entry
+        assert (last(t) + last(t)).cpu().item() == 2 * (t - 1)
+    slices = [last(t) for t in range(5, 25)]
+    before = _hostmem.NATIVE.executions()
+    outs = [s + s for s in slices]
+    assert _hostmem.NATIVE.executions() - before == len(slices)
+    assert [o.cpu().item() for o in outs] == [2 * (t - 1) for t in range(5, 25)]
+
+
+@native
 def test_hits_run_natively_and_are_counted(fresh_runtime: _runtime.Runtime) -> None:
     a, b = torch.randn(64), torch.randn(64)
     na, nb = a.to(DEV), b.to(DEV)
