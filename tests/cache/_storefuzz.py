@@ -96,7 +96,8 @@ def prompt(case: Case) -> bool:
     """True when an honest answer certainly arrives well within the deadline (a miss would be false)."""
     a = case.answer
     sends = -(-len(a.body) // max(1, a.chunk))
-    return sends * a.drip_s < DEADLINE / 4 and not (a.hang and a.chunked) and a.announce is None
+    # Few sends (thousands of 13-byte sends take the server itself longer than the deadline on a busy host).
+    return sends <= 64 and sends * a.drip_s < DEADLINE / 4 and a.announce is None
 
 
 def run_case(case: Case, tmp: Path) -> tuple[bytes | None, float, int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from _storefuzz import Case, cases, check_case  # type: ignore[import-not-found]
 
-CASES = int(os.environ.get("NEURON_STORE_FUZZ_CASES", "40"))
+CASES = int(os.environ.get("NEURON_STORE_FUZZ_CASES", "12"))
 
 
 @settings(max_examples=CASES, deadline=None, derandomize=True, database=None,
