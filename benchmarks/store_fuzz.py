@@ -52,6 +52,9 @@ def fuzz(n: int) -> dict[str, object]:
             kind = str(e).split(" (", 1)[0].split(":", 1)[0]
             counts[kind] += 1
             failures.append(str(e))
+        except Exception as e:  # noqa: BLE001 - a store that raised broke its contract: count it, go on
+            counts["crash"] += 1
+            failures.append(f"crash {e!r}: {case.describe()}")
         counts[f"store:{case.store}"] += 1
         slowest[0] = max(slowest[0], time.monotonic() - t0)
         done = sum(v for k, v in counts.items() if k.startswith("store:"))
@@ -63,6 +66,7 @@ def fuzz(n: int) -> dict[str, object]:
     return {"cases": sum(v for k, v in counts.items() if k.startswith("store:")), "counts": dict(counts),
             "hangs_past_deadline": counts["hang past the deadline"], "wrong_results": counts["wrong result"],
             "unbounded_reads": counts["unbounded read"], "false_misses": counts["false miss"],
+            "crashes": counts["crash"],
             "failures": failures[:20], "deadline_s": DEADLINE, "limit_bytes": LIMIT,
             "slowest_case_s": round(slowest[0], 3), "wall_s": round(time.monotonic() - t0, 1)}
 

@@ -216,3 +216,18 @@ def test_deadline_runner_returns_results_and_raises_errors() -> None:
     runner.max_abandoned = 0
     with pytest.raises(StoreHung):
         runner.run(lambda: 1, 1.0)
+
+
+def test_a_store_error_with_percent_signs_is_a_miss_not_a_crash() -> None:
+    """A store's own words go into the fault's one warning: '%' in them is text, not a format (the fuzz
+    found `get` raising ValueError on an HTTP 500 whose body held '%')."""
+    k = key_of("percent")
+    with ScriptedServer("http", Answer(body=b"100% full: %s %d %`", status=500)) as server:
+        server.keys = (k,)
+        store = HttpStore(server.url(), timeout_s=5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert store.get(k) is None
+        assert store.faults.counts == {"server": 1}
+        assert any("100% full" in str(w.message) for w in caught)
+        store.close()
