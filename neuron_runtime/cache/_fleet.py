@@ -162,17 +162,16 @@ class FleetStore(CacheBackend):
             return default
         try:
             return self.calls.run(fn, self.deadline_s()) if bounded else fn()
-        except TimeoutError as e:  # the whole-call deadline (also a transport's own, subclasses included)
-            self._open_until = time.monotonic() + self.cooldown_s
-            self.faults.record("timeout", op, f"{e}; the store is skipped for {self.cooldown_s:g} s "
-                               f"(TORCH_NEURONX_FLEET_TIMEOUT={self.timeout_s:g} bounds each whole call)")
-            log.debug("%s %s failed", self.url, op, exc_info=True)
-            return default
         except Exception as e:  # noqa: BLE001
-            kind = self._classify(e)
+            # The whole-call deadline, or a transport's own timeout (builtin, urllib3, redis, fsspec).
+            kind = "timeout" if isinstance(e, TimeoutError) else self._classify(e)
             if kind in ("unavailable", "timeout", "throttled", "server"):
                 self._open_until = time.monotonic() + self.cooldown_s
-            self.faults.record(kind, op, e)
+            detail: object = e
+            if kind == "timeout":
+                detail = (f"{e}; the store is skipped for {self.cooldown_s:g} s "
+                          f"(TORCH_NEURONX_FLEET_TIMEOUT={self.timeout_s:g} s bounds each whole call)")
+            self.faults.record(kind, op, detail)
             log.debug("%s %s failed", self.url, op, exc_info=True)
             return default
 
