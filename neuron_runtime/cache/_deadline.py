@@ -10,8 +10,8 @@ with a miss. The thread it left is *abandoned*:
     abandoned socket call ends within about one read of the deadline;
   * a call blocked in the kernel (a hung filesystem) cannot be stopped; at most `max_abandoned` of a
     store's calls may be left running at once, and past that the store answers every call with
-    `StoreHung` at once (a miss) until one of them comes back. Workers are daemon threads, so an
-    abandoned one never holds up the interpreter's exit.
+    `StoreHung` at once (a miss) until one of them comes back. Workers are never joined (`_thread`
+    threads), so an abandoned one never holds up the interpreter's exit.
 
 Threads are reused (an idle worker waits `IDLE_S` for its next call, then ends), so a call costs a
 hand-off between two threads (tens of microseconds), not a thread start.
@@ -19,6 +19,7 @@ hand-off between two threads (tens of microseconds), not a thread start.
 
 from __future__ import annotations
 
+import _thread
 import queue
 import threading
 import time
@@ -97,7 +98,6 @@ class DeadlineRunner:
         self.abandoned = 0  # calls left running past their deadline, not yet come back
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue[_Call[Any]]] = []
-        self._serial = 0
 
     def run(self, fn: Callable[[], T], seconds: float) -> T:
         end = time.monotonic() + seconds
@@ -106,13 +106,12 @@ class DeadlineRunner:
                 raise StoreHung(f"{self.abandoned} earlier calls to this store are still running past their "
                                 "deadline (a hung mount or a store that never finishes answering)")
             inbox = self._idle.pop() if self._idle else None
-            self._serial += 1
-            serial = self._serial
         call: _Call[T] = _Call(fn, end)
         if inbox is None:
             inbox = queue.SimpleQueue()
-            threading.Thread(target=self._work, args=(inbox,), name=f"neuron-store-{self.name}-{serial}",
-                             daemon=True).start()
+            # `_thread`, not `threading.Thread(...).start()`: that waits (unbounded) until the new thread
+            # runs, which on a loaded host can outlast the deadline itself; nobody joins these threads.
+            _thread.start_new_thread(self._work, (inbox,))
         inbox.put(call)
         if not call.done.wait(max(0.0, end - time.monotonic())):
             with self._lock:
