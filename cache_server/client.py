@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ._errors import CacheServerError, InvalidRequest, NotFound, StreamRequired, from_status
+from ._errors import CacheServerError, InvalidRequest, NotFound, StreamRequired, TooLarge, from_status
 from ._keys import CHUNK, MESSAGE_MAX, PUT_HEADER_MD, SERVICE, SIZE_MD, UNARY_MAX, check_key
 from ._proto.neuron_cache.v1 import cache_pb2 as pb
 
@@ -133,30 +133,47 @@ class CacheClient:
 
     # -- blobs -----------------------------------------------------------------------------------------
 
-    def get(self, key: str, timeout: float | None = None) -> bytes | None:
-        """The entry, or None when the server has none."""
+    def get(self, key: str, timeout: float | None = None, limit: int | None = None) -> bytes | None:
+        """The entry, or None when the server has none. `limit`: `TooLarge` for an entry over that many
+        bytes, decided on the size the server announces before any chunk, and never more than `limit`
+        plus one chunk received (a unary answer is bounded by `MESSAGE_MAX` anyway)."""
         req = pb.GetRequest(key=check_key(key)).SerializeToString()
         try:
             data: bytes = self._call(self._get, req, timeout)
-            return data
         except NotFound:
             return None
         except StreamRequired:
-            return self._get_streamed(req, timeout)
+            return self._get_streamed(req, timeout, limit)
+        if limit is not None and len(data) > limit:
+            raise TooLarge(f"entry {key} is {len(data)} bytes, over the {limit}-byte read cap")
+        return data
 
-    def _get_streamed(self, req: bytes, timeout: float | None) -> bytes | None:
+    def _get_streamed(self, req: bytes, timeout: float | None, limit: int | None = None) -> bytes | None:
+        call = None
         try:
             call = self._get_stream(req, timeout=self._t(timeout), metadata=self._md)
             size = -1
             for k, v in call.initial_metadata() or ():
                 if k == SIZE_MD:
                     size = int(v)
-            data = b"".join(call)
+            if limit is not None and size > limit:
+                raise TooLarge(f"the server announced a {size}-byte entry, over the {limit}-byte read cap")
+            parts, got = [], 0
+            for chunk in call:
+                parts.append(chunk)
+                got += len(chunk)
+                if limit is not None and got > limit:
+                    raise TooLarge(f"the server sent more than the {limit}-byte read cap")
+            data = b"".join(parts)
         except grpc.RpcError as e:
             err = _error(e)
             if isinstance(err, NotFound):
                 return None
             raise err from None
+        except TooLarge:
+            if call is not None:
+                call.cancel()  # stop the stream: nothing more of it is read
+            raise
         if size >= 0 and len(data) != size:
             # Deleted or evicted mid-stream: treat as a miss rather than hand out a torn entry.
             return None

@@ -9,7 +9,9 @@
     open_store(url, cfg)   picks a fleet backend by URL scheme                  (_registry.py)
 
 The entry format lives in `neuron_runtime.cache.envelope`; the backend contract in `_base.py`; what the
-path, S3, Redis and HTTP stores share (layout, JSON leases, fault kinds, circuit breaker) in `_fleet.py`.
+path, S3, Redis and HTTP stores share (layout, JSON leases, fault kinds, circuit breaker, bounded reads)
+in `_fleet.py`; the whole-call deadline of their calls (worker threads the caller stops waiting for) in
+`_deadline.py`.
 """
 
 from neuron_runtime.cache._base import CacheBackend, CacheError, EntryInfo, InvalidKeyError, Lease, check_key

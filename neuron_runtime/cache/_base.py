@@ -7,6 +7,11 @@ Failure rules (every backend, every method):
   * A backend problem (I/O error, timeout, throttling, permission, server down) is never raised to the
     caller: `get` returns None, `put` returns False, `contains_many` returns what it could confirm. The
     backend counts it and warns once per kind of problem (`logging` + `warnings`).
+  * Time and memory are bounded whatever the store answers: a fleet store's call returns within its
+    whole-call deadline (`TORCH_NEURONX_FLEET_TIMEOUT`: connect, send, receive and retries together;
+    past it a miss, counted as `timeout`, and the store is skipped for a while), and a read checks the
+    size it is told before reading and never reads more than its cap + 1 byte (`FleetStore` in `_fleet`
+    does both for the path, S3, Redis and HTTP stores; the gRPC backend uses gRPC's deadlines).
   * Integrity is *not* the backend's job: it returns the bytes it has; the tiered cache verifies the
     envelope and calls `delete` (or `quarantine`) on a bad entry. That failure is loud and counted.
   * `put` is first-writer-wins and atomic: a reader sees either no entry or a whole one, never a torn one.

@@ -44,8 +44,9 @@ class FaultCounter:
             self.counts[kind] = self.counts.get(kind, 0) + 1
             listeners = list(self._listeners)
         if first:
+            # All f-string: `detail` may hold a store's own words, '%' included (never a format string).
             msg = (f"neuron-runtime: {self.tier} cache {self.where}: {op} failed ({kind}): {detail}; "
-                   "treating it as a miss / skipped write (further '%s' faults are counted, not shown)" % kind)
+                   f"treating it as a miss / skipped write (further '{kind}' faults are counted, not shown)")
             log.warning("%s", msg)
             warnings.warn(msg, CacheWarning, stacklevel=3)
         else:

@@ -14,6 +14,10 @@ the user's step):
   3. After the window one call probes the server (the others keep answering at once); success closes the
      breaker, failure opens it for another window. So a dead server costs at most one deadline per window.
 Auth and other refusals are counted and warned once (FaultCounter) but do not open the breaker.
+
+The deadline is gRPC's own (a deadline on the whole RPC, streamed chunks included), so a server that
+drips its answer costs at most `TORCH_NEURONX_FLEET_TIMEOUT`. Reads are bounded: `get` refuses an entry
+whose announced size is over 1 GiB before reading a chunk, and stops a stream that sends more.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ T = TypeVar("T")
 _LOOKUP_BATCH = 10_000
 _RETRY_BASE_S = 0.05
 _DEFAULT_BREAKER_S = 30.0
+_READ_LIMIT = 1024**3
 
 
 class _Breaker:
@@ -125,6 +130,8 @@ class GrpcBackend(CacheBackend):
         self.url = url
         self.timeout_s = timeout_s
         self.retries = retries
+        #: the largest entry `get` reads (the server's announced size is checked before any chunk)
+        self.read_limit = _READ_LIMIT
         self.faults = FaultCounter(self.tier, url.split("?", 1)[0])
         self.breaker = _Breaker(float(q.get("breaker", breaker_s if breaker_s is not None else _DEFAULT_BREAKER_S)))
         host = u.hostname if ":" not in u.hostname else f"[{u.hostname}]"
@@ -182,7 +189,7 @@ class GrpcBackend(CacheBackend):
 
     def get(self, key: str) -> bytes | None:
         check_key(key)
-        return self._guard("get", lambda c, t: c.get(key, timeout=t), None)
+        return self._guard("get", lambda c, t: c.get(key, timeout=t, limit=self.read_limit), None)
 
     def _put(self, key: str, data: bytes) -> bool:
         # Created or already present: either way the key is now in the store.

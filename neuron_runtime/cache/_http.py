@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from neuron_runtime.cache import _urls
 from neuron_runtime.cache._base import EntryInfo, check_key, check_keys
+from neuron_runtime.cache._deadline import carried, remaining
 from neuron_runtime.cache._fleet import LAYOUT_VERSION, FleetStore
 
 if TYPE_CHECKING:
@@ -131,31 +132,27 @@ class HttpStore(FleetStore):
 
     def _request(self, method: str, path: str, body: bytes | None = None, limit: int = 0) -> tuple[int, bytes]:
         """(status, body) for 2xx and 404; any other answer raises `HttpStatusError`. A body over `limit`
-        bytes (when set) is refused before it is read whole."""
+        bytes (when set; else `_MAX_RECORD`) is refused from its Content-Length, or after reading at most
+        `limit` + 1 bytes of it."""
         headers = dict(self.headers)
         if body is not None:
             headers["Content-Type"] = "application/octet-stream"
-        resp = self.pool.request(method, self.origin + path, body=body, headers=headers, preload_content=False)
+        # Connect and each read get what is left of the whole call's deadline (`_deadline`), not more.
+        timeout = self._urllib3.Timeout(connect=remaining(min(self.timeout_s, 5.0)), read=remaining(self.timeout_s))
+        resp = self.pool.request(method, self.origin + path, body=body, headers=headers, preload_content=False,
+                                 timeout=timeout)
         try:
             length = resp.headers.get("Content-Length")
-            if limit and length is not None and length.isdigit() and int(length) > limit and resp.status == 200:
+            known = int(length) if length is not None and length.isdigit() else None
+            if limit and known is not None and known > limit and resp.status == 200:
                 raise HttpStatusError(method, path, 413, f"answer of {length} bytes is over the {limit}-byte cap".encode())
-            if method == "HEAD":
-                data = b""
-            elif not limit or (length is not None and length.isdigit() and int(length) <= limit):
-                # No cap, or a length within it: read it whole. (`read(amt)` with a cap-sized `amt` costs
-                # twice a plain read of a 1 MiB body in urllib3 2.)
-                data = resp.read()
-            else:  # no length (chunked), or an error answer over the cap: at most the cap, 1 MiB at a time
-                parts, n = [], 0
-                for chunk in resp.stream(1 << 20):
-                    parts.append(chunk)
-                    n += len(chunk)
-                    if n > limit:
-                        break
-                data = b"".join(parts)
-            if limit and len(data) > limit:
-                raise HttpStatusError(method, path, 413, f"answer is over the {limit}-byte cap".encode())
+            cap = limit or _MAX_RECORD  # answers without data of ours (PUT, errors) are small
+            data = b"" if method == "HEAD" else self._body(resp, cap + 1 if known is None else min(known, cap + 1))
+            if len(data) > cap:
+                raise HttpStatusError(method, path, 413, f"answer is over the {cap}-byte cap".encode())
+            if known is not None and len(data) < known and method != "HEAD":
+                # Ended before its announced length: a torn answer, never handed out as a short one.
+                raise self._urllib3.exceptions.ProtocolError(f"{method} {path}: {len(data)} of {known} bytes")
         except BaseException:
             resp.close()  # unread bytes left on it: the connection must not go back to the pool
             raise
@@ -163,6 +160,24 @@ class HttpStore(FleetStore):
         if 200 <= resp.status < 300 or resp.status == 404:
             return resp.status, bytes(data)
         raise HttpStatusError(method, path, resp.status, data)
+
+    def _body(self, resp: Any, want: int) -> bytes:
+        """At most `want` bytes of the answer's body (fewer if it ends first), each socket read within
+        what is left of the call's deadline: a dripping answer ends at the deadline (`DeadlineExceeded`),
+        not when the server stops."""
+        sock = getattr(resp.connection, "sock", None)
+        parts: list[bytes] = []
+        got = 0
+        while got < want:
+            left = remaining(self.timeout_s)
+            if sock is not None:
+                sock.settimeout(left)
+            chunk = resp.read1(min(1 << 20, want - got))
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts) if len(parts) != 1 else parts[0]
 
     def _classify(self, e: BaseException) -> str:
         if isinstance(e, HttpStatusError):
@@ -304,11 +319,15 @@ class HttpStore(FleetStore):
         host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
         head = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
         requests = "".join(f"GET {p} HTTP/1.1\r\nHost: {parts.netloc}\r\n{head}\r\n" for p in paths).encode()
-        sock = socket.create_connection((host, port), timeout=min(self.timeout_s, 5.0))
+        sock = socket.create_connection((host, port), timeout=remaining(min(self.timeout_s, 5.0)))
         try:
             if parts.scheme == "https":
                 sock = self._ssl_context.wrap_socket(sock, server_hostname=host)
-            sock.settimeout(self.timeout_s)
+
+            def recv() -> bytes:
+                sock.settimeout(remaining(self.timeout_s))  # what is left of the whole call, at most
+                return sock.recv(1 << 16)
+
             # Write from another thread, so a server that stops reading until we read cannot deadlock us.
             writer = threading.Thread(target=_send_all, args=(sock, requests), daemon=True)
             writer.start()
@@ -316,7 +335,9 @@ class HttpStore(FleetStore):
             buf = b""
             for path in paths:
                 while b"\r\n\r\n" not in buf:
-                    data = sock.recv(1 << 16)
+                    if len(buf) > _MAX_RECORD:
+                        raise HttpStatusError("GET", path, 413, b"answer headers over the cap")
+                    data = recv()
                     if not data:
                         break
                     buf += data
@@ -333,7 +354,7 @@ class HttpStore(FleetStore):
                 if n > _MAX_RECORD:
                     raise HttpStatusError("GET", path, 413, b"record over the cap")
                 while len(buf) < end + 4 + n:
-                    data = sock.recv(1 << 16)
+                    data = recv()
                     if not data:
                         break
                     buf += data
@@ -345,7 +366,7 @@ class HttpStore(FleetStore):
                 answers.append((status, body))
                 if fields.get("connection", "").lower() == "close":
                     break
-            writer.join(timeout=self.timeout_s)
+            writer.join(timeout=remaining(self.timeout_s))
         finally:
             sock.close()
         return answers + [None] * (len(paths) - len(answers))
@@ -399,7 +420,7 @@ class HttpStore(FleetStore):
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=_PARALLEL, thread_name_prefix="neuron-cache-http")
             executor = self._executor
-        return list(executor.map(fn, items))
+        return list(executor.map(carried(fn), items))
 
     def close(self) -> None:
         with self._executor_lock:

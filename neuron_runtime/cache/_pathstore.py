@@ -4,6 +4,11 @@ Layout and leases as every fleet store's (`_fleet`). Writes are create-only and 
 file + fsync + `os.link` (which fails if the name exists; `os.replace` where links are not supported).
 Leases are created the same exclusive way; a stale one is taken over by an atomic rename of the stale
 file, then an exclusive create.
+
+Every filesystem call runs under the store's whole-call deadline (`FleetStore._guard`), so a hung mount
+costs a step at most `TORCH_NEURONX_FLEET_TIMEOUT`. Reads go through `read_file`: a regular file only
+(a FIFO, a device, a symlink to `/dev/zero` are refused unread), its size checked before the first read,
+never more than `max_entry` + 1 bytes read (leases: `MAX_LEASE`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,18 @@ import uuid
 from collections.abc import Iterable, Iterator
 
 from neuron_runtime.cache._base import EntryInfo, Lease, NullLease, OnceLease, check_key
-from neuron_runtime.cache._fleet import LAYOUT_VERSION, SUFFIX, FleetStore, is_stale, lease_body, parse_lease
+from neuron_runtime.cache._fleet import (
+    DEFAULT_MAX_ENTRY,
+    LAYOUT_VERSION,
+    MAX_LEASE,
+    SUFFIX,
+    FleetStore,
+    is_stale,
+    lease_body,
+    ReadRefused,
+    parse_lease,
+    read_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +45,13 @@ class SharedPathStore(FleetStore):
     never a partial entry under a real name.
     """
 
-    def __init__(self, root: str, timeout_s: float = 10.0) -> None:
+    max_entry: int
+
+    def __init__(self, root: str, timeout_s: float = 10.0, max_entry: int = DEFAULT_MAX_ENTRY) -> None:
         root = os.path.abspath(os.path.expanduser(root))
         super().__init__(root, timeout_s)
         self.root = root
+        self.max_entry = max_entry
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, self.relpath(check_key(key)))
@@ -45,8 +64,7 @@ class SharedPathStore(FleetStore):
 
         def read() -> bytes | None:
             try:
-                with open(path, "rb") as f:
-                    return f.read()
+                return read_file(path, self.max_entry)
             except FileNotFoundError:
                 return None
 
@@ -131,8 +149,10 @@ class SharedPathStore(FleetStore):
                 os.rename(path, qpath)
             except FileNotFoundError:
                 return False
-            with open(qpath, "rb") as f:
-                moved = f.read()
+            try:
+                moved: bytes | None = read_file(qpath, len(bad))
+            except ReadRefused:
+                moved = None  # not the bytes we refused (those were within the cap): put it back
             if moved == bad:
                 return True
             try:
@@ -165,7 +185,7 @@ class SharedPathStore(FleetStore):
                     except FileNotFoundError:
                         pass
 
-        self._guard("sweep", None, walk)
+        self._guard("sweep", None, walk, bounded=False)
         return removed[0]
 
     def entries(self) -> Iterator[EntryInfo]:
@@ -183,7 +203,7 @@ class SharedPathStore(FleetStore):
                             continue
                         found.append(EntryInfo(key=name[: -len(SUFFIX)], size=st.st_size, mtime=st.st_mtime))
 
-        self._guard("entries", None, walk)
+        self._guard("entries", None, walk, bounded=False)
         return iter(found)
 
     # -- leases
@@ -225,8 +245,7 @@ class SharedPathStore(FleetStore):
         if lease is not None:
             return lease
         try:
-            with open(path, "rb") as f:
-                seen = f.read()
+            seen = read_file(path, MAX_LEASE)
         except FileNotFoundError:
             return self._create_lease(path, ttl_s)  # released meanwhile
         body = parse_lease(seen)
@@ -242,8 +261,10 @@ class SharedPathStore(FleetStore):
         except FileNotFoundError:
             return self._create_lease(path, ttl_s)
         try:
-            with open(tomb, "rb") as f:
-                moved = f.read()
+            try:
+                moved = read_file(tomb, MAX_LEASE)
+            except ReadRefused:
+                moved = b""
             if moved != seen:
                 # Someone took over between our read and our rename: we moved *their* fresh lease.
                 # Put it back (link fails if yet another one appeared) and stand down.
@@ -262,8 +283,7 @@ class SharedPathStore(FleetStore):
 
         def live() -> bool:
             try:
-                with open(path, "rb") as f:
-                    raw = f.read()
+                raw = read_file(path, MAX_LEASE)
             except FileNotFoundError:
                 return False
             body = parse_lease(raw)
@@ -286,8 +306,7 @@ class _FileLease(OnceLease):
     def _drop(self) -> None:
         def drop() -> None:
             try:
-                with open(self._path, "rb") as f:
-                    body = parse_lease(f.read())
+                body = parse_lease(read_file(self._path, MAX_LEASE))
             except FileNotFoundError:
                 return
             # Only remove our own lease: after our TTL another host may legitimately hold it.

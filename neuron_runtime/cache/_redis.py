@@ -23,9 +23,16 @@ Guarantees:
 Failure policy: as the other fleet stores (`FleetStore`): a miss or a skipped write, counted by kind
 (`timeout`, `unavailable`, `permission` for wrong credentials or ACLs, `full` for an OOM refusal,
 `too_large`), one warning per kind, and after a timeout or connection failure the store is skipped for a
-cooldown (so a Redis being restarted costs one timeout, not one per op). Each command is bounded by
-`TORCH_NEURONX_FLEET_TIMEOUT`; a dropped connection is retried once (a restarted server's stale pooled
-connection), then counted.
+cooldown (so a Redis being restarted costs one timeout, not one per op). Each call is bounded as a whole
+by `TORCH_NEURONX_FLEET_TIMEOUT` (`FleetStore._guard`: connect, send, every reply byte and the one retry
+together); a dropped connection is retried once (a restarted server's stale pooled connection), then
+counted.
+
+Read bounds (`_BoundedParser`, the reply parser of every connection): a bulk reply announced over
+`max_entry` bytes is refused from its length line, before one byte of it is read (fault kind
+`too_large`, the connection dropped); a reply line over 64 KiB or an array over a million items is
+refused too; and every socket read is bounded by what is left of the call's deadline, so an abandoned
+call ends there too.
 """
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ from typing import TYPE_CHECKING, Any
 
 from neuron_runtime.cache import _urls
 from neuron_runtime.cache._base import EntryInfo, Lease, NullLease, OnceLease, check_key, check_keys
+from neuron_runtime.cache._deadline import deadline, remaining
 from neuron_runtime.cache._errors import StoreConfigError
-from neuron_runtime.cache._fleet import LAYOUT_VERSION, FleetStore
+from neuron_runtime.cache._fleet import LAYOUT_VERSION, FleetStore, ReadRefused
 
 if TYPE_CHECKING:
     from neuron_runtime._config import Config
@@ -93,6 +101,8 @@ class RedisStore(FleetStore):
             # One retry: the first command after a server restart meets a dead pooled connection.
             "retry": Retry(NoBackoff(), 1),
             "client_name": f"neuron-runtime:{socket.gethostname()}:{os.getpid()}",
+            # Every connection parses its replies with the bounds of `bounded_parser`.
+            "redis_connect_func": self._on_connect,
         }
         if parts.scheme == "rediss":
             kwargs.update(ssl=True, ssl_ca_certs=opts.get("ca"), ssl_certfile=opts.get("cert"),
@@ -102,6 +112,20 @@ class RedisStore(FleetStore):
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._redis_errors = redis.exceptions
+        self._parsers: dict[type, type] = {}
+
+    def _on_connect(self, connection: Any) -> None:
+        """redis-py's hook for a new connection: our reply parser, then (not in a cluster, whose client
+        ran it already) the usual handshake (AUTH, SELECT, CLIENT SETNAME)."""
+        base = type(connection._parser)  # RESP2 or RESP3, as the client chose
+        if base not in self._parsers.values():
+            if base not in self._parsers:
+                self._parsers[base] = bounded_parser(base, self.max_entry)
+            connection.set_parser(self._parsers[base])
+        if self.cluster:
+            connection._parser.on_connect(connection)
+        else:
+            connection.on_connect()
 
     @property
     def client(self) -> Any:
@@ -225,7 +249,7 @@ class RedisStore(FleetStore):
                     out.append(EntryInfo(key=key, size=int(size), mtime=now - idle))
             return out
 
-        found: list[EntryInfo] = self._guard("entries", [], listing)
+        found: list[EntryInfo] = self._guard("entries", [], listing, bounded=False)
         return iter(found)
 
     # ------------------------------------------------------------------ leases
@@ -263,6 +287,72 @@ class _RedisLease(OnceLease):
         store = self._store
         # A failed release is harmless: the server expires the lease at its TTL.
         store._guard("lease release", None, lambda: store.client.eval(_RELEASE, 1, self._name, self._nonce))
+
+
+_MAX_LINE = 64 * 1024
+_MAX_ITEMS = 1 << 20
+
+
+def bounded_parser(base: type, limit: int) -> type:
+    """redis-py's reply parser `base` (RESP2 or RESP3) with read bounds (see the module docstring): bulk
+    replies of at most `limit` bytes, decided on the announced length; every socket read within the
+    call's deadline."""
+    from redis._parsers.socket import SENTINEL, SocketBuffer
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import InvalidResponse
+
+    class Buffer(SocketBuffer):  # type: ignore[misc]
+        def _read_from_socket(self, length: int | None = None, timeout: object = SENTINEL,
+                              raise_on_timeout: bool | None = True) -> bool:
+            if deadline() is None:
+                return bool(super()._read_from_socket(length, timeout, raise_on_timeout))
+            # One recv at a time, each within what is left of the call (a drip never outlasts it).
+            start = self.unread_bytes()
+            while True:
+                left = remaining()
+                assert left is not None
+                t = left if timeout is SENTINEL or timeout is None else min(float(timeout), left)  # type: ignore[arg-type]
+                if not super()._read_from_socket(None, t, raise_on_timeout):
+                    return False
+                if length is None or self.unread_bytes() - start >= length:
+                    return True
+
+        def readline(self, timeout: object = SENTINEL) -> bytes:
+            buf = self._buffer
+            data = buf.readline()
+            while not data.endswith(b"\r\n"):
+                if len(data) > _MAX_LINE:
+                    raise InvalidResponse(f"a reply line over {_MAX_LINE} bytes: not a Redis server's answer")
+                self._read_from_socket(timeout=timeout)
+                data += buf.readline()
+            return bytes(data[:-2])
+
+    class BoundedParser(base):  # type: ignore[misc, valid-type]
+        def on_connect(self, connection: Any) -> None:
+            super().on_connect(connection)
+            self._buffer = Buffer(self._sock, self.socket_read_size, connection.socket_timeout)
+
+        def _read_response(self, *args: Any, **kwargs: Any) -> Any:
+            raw = self._buffer.readline(timeout=kwargs.get("timeout", SENTINEL))
+            if not raw:
+                raise RedisConnectionError("Connection closed by server.")
+            byte, rest = raw[:1], raw[1:]
+            if byte in b"$=!" and rest != b"-1":  # a bulk string, verbatim string, blob error
+                n = _length(rest)
+                if n > limit:
+                    raise ReadRefused("too_large", f"the server announced a {n}-byte value, over this store's "
+                                      f"max_entry of {limit} bytes; refused unread (raise it with ?max_entry=)")
+            elif byte in b"*%~>" and rest != b"-1" and _length(rest) > _MAX_ITEMS:
+                raise InvalidResponse(f"a reply of {rest[:32]!r} items: not a Redis server's answer")
+            self._buffer.rewind(self._buffer.get_pos() - len(raw) - 2)  # the checked line, for the parser
+            return super()._read_response(*args, **kwargs)
+
+    def _length(text: bytes) -> int:
+        if not text.isdigit():
+            raise InvalidResponse(f"bad length {text[:32]!r} in a reply")
+        return int(text)
+
+    return BoundedParser
 
 
 def _glob_escape(text: str) -> str:

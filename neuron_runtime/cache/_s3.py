@@ -3,6 +3,10 @@
 Layout and leases as every fleet store's (`_fleet`). Writes are create-only and first-writer-wins:
 `PutObject` with `If-None-Match: *` (a 412 means another host won). Leases are created the same way; a
 stale one is taken over with `PutObject` and `If-Match: <stale ETag>`, which exactly one host wins.
+
+Each call is bounded as a whole by `TORCH_NEURONX_FLEET_TIMEOUT` (`FleetStore._guard`; the first call also
+builds the botocore client, local CPU work allowed up to 30 s). Reads check the object's
+`ContentLength` before reading its body and never read more than `max_entry` + 1 bytes (leases: `MAX_LEASE`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,19 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from neuron_runtime.cache._base import EntryInfo, Lease, NullLease, OnceLease, check_key
-from neuron_runtime.cache._fleet import LAYOUT_VERSION, SUFFIX, FleetStore, is_stale, lease_body, parse_lease, s3_code
+from neuron_runtime.cache._deadline import remaining
+from neuron_runtime.cache._fleet import (
+    DEFAULT_MAX_ENTRY,
+    LAYOUT_VERSION,
+    MAX_LEASE,
+    SUFFIX,
+    FleetStore,
+    ReadRefused,
+    is_stale,
+    lease_body,
+    parse_lease,
+    s3_code,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +42,14 @@ class S3Store(FleetStore):
     `AWS_PROFILE`, ...) and `FSSPEC_S3_*` (e.g. `FSSPEC_S3_ENDPOINT_URL`), as s3fs reads them.
     """
 
-    def __init__(self, url: str, timeout_s: float = 10.0, **storage_options: Any) -> None:
+    max_entry: int
+
+    def __init__(self, url: str, timeout_s: float = 10.0, max_entry: int = DEFAULT_MAX_ENTRY,
+                 **storage_options: Any) -> None:
         import s3fs
 
         super().__init__(url, timeout_s)
+        self.max_entry = max_entry
         rest = url.split("://", 1)[1]
         self.bucket, _, prefix = rest.partition("/")
         if not self.bucket:
@@ -54,6 +74,10 @@ class S3Store(FleetStore):
     def _key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel
 
+    def deadline_s(self) -> float:
+        # The first call builds the botocore client (local CPU, see `_call`): it gets that bound too.
+        return self.timeout_s if self._session_ready else max(30.0, self.timeout_s)
+
     def _call(self, coro_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         from fsspec.asyn import sync
 
@@ -62,9 +86,12 @@ class S3Store(FleetStore):
             # do it once under its own, looser bound, so it does not eat the first request's timeout.
             sync(self.fs.loop, self.fs.set_session, timeout=max(30.0, self.timeout_s))
             self._session_ready = True
-        return sync(self.fs.loop, coro_fn, *args, timeout=self.timeout_s, **kwargs)
+        # What is left of the whole call's deadline: the request stops there too, not only our wait.
+        return sync(self.fs.loop, coro_fn, *args, timeout=remaining(self.timeout_s), **kwargs)
 
-    async def _read(self, key: str) -> tuple[bytes, str] | None:
+    async def _read(self, key: str, limit: int = MAX_LEASE) -> tuple[bytes, str] | None:
+        """The object's bytes and ETag (None if absent); `ReadRefused` past `limit` bytes, told by the
+        ContentLength before the body is read, and by reading at most `limit` + 1 bytes of it."""
         try:
             resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=key)
         except FileNotFoundError as e:
@@ -72,7 +99,21 @@ class S3Store(FleetStore):
                 raise  # a misconfiguration, not a miss: count and warn
             return None
         async with resp["Body"] as body:
-            data: bytes = await body.read()
+            length = resp.get("ContentLength")
+            if isinstance(length, int) and length > limit:
+                raise ReadRefused("too_large", f"s3://{self.bucket}/{key} is {length} bytes, over the "
+                                  f"{limit}-byte read cap")
+            parts: list[bytes] = []
+            got = 0
+            while got <= limit:  # read(n) answers what has arrived, up to n: loop to the end or the cap
+                chunk = await body.read(min(limit + 1 - got, 1 << 20))
+                if not chunk:
+                    break
+                parts.append(chunk)
+                got += len(chunk)
+            data = b"".join(parts)
+        if len(data) > limit:
+            raise ReadRefused("too_large", f"s3://{self.bucket}/{key} sent more than the {limit}-byte read cap")
         return data, str(resp.get("ETag", ""))
 
     async def _put_object(self, key: str, data: bytes, **cond: str) -> bool:
@@ -91,7 +132,7 @@ class S3Store(FleetStore):
         k = self._key(self.relpath(check_key(key)))
 
         def read() -> bytes | None:
-            got = self._call(self._read, k)
+            got = self._call(self._read, k, self.max_entry)
             return None if got is None else bytes(got[0])
 
         return self._guard("get", None, read)
@@ -140,7 +181,10 @@ class S3Store(FleetStore):
         k = self._key(self.relpath(check_key(key)))
 
         async def remove() -> bool:
-            current = await self._read(k)
+            try:
+                current = await self._read(k, len(bad))
+            except ReadRefused:
+                return False  # bigger than the entry we refused: not it
             if current is None or current[0] != bad:
                 return False
             try:
@@ -173,7 +217,7 @@ class S3Store(FleetStore):
                     return out
                 token = {"ContinuationToken": resp["NextContinuationToken"]}
 
-        found: list[EntryInfo] = self._guard("entries", [], lambda: self._call(listing))
+        found: list[EntryInfo] = self._guard("entries", [], lambda: self._call(listing), bounded=False)
         return iter(found)
 
     # -- leases
