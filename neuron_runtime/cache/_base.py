@@ -108,8 +108,12 @@ class CacheBackend(abc.ABC):
     faults: FaultCounter
 
     @abc.abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The stored bytes, or None on a miss or any backend problem."""
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        """The stored bytes, or None on a miss or any backend problem. With `limit`, a value over `limit`
+        bytes is a miss too, found without reading it (a stat, a Content-Length, a length first where the
+        store has one) and never by reading more than `limit` + 1 bytes of it; the store's own read cap
+        (`max_entry`) applies either way. For data with a small bound of its own (a job's manifest
+        segments): a store holding a 1 GiB value under such a key costs its reader nothing."""
 
     def put(self, key: str, data: bytes) -> bool:
         """Store atomically, first writer wins. True if the key is now present, False if skipped.
@@ -135,6 +139,11 @@ class CacheBackend(abc.ABC):
     def contains_many(self, keys: Iterable[str]) -> set[str]:
         """The subset of `keys` present (one round trip where the backend can batch)."""
         return {k for k in keys if self.get(k) is not None}
+
+    @staticmethod
+    def cap(max_entry: int | None, limit: int | None) -> int | None:
+        """The read cap of one `get`: the smaller of the store's `max_entry` and the call's `limit`."""
+        return limit if max_entry is None else max_entry if limit is None else min(max_entry, limit)
 
     def get_many(self, keys: Iterable[str], parallel: int = 8) -> dict[str, bytes]:
         """The stored bytes of those `keys` that are present: one `contains_many`, then up to `parallel`

@@ -187,9 +187,10 @@ class GrpcBackend(CacheBackend):
 
     # -- the contract ----------------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
         check_key(key)
-        return self._guard("get", lambda c, t: c.get(key, timeout=t, limit=self.read_limit), None)
+        cap = self.cap(self.read_limit, limit)
+        return self._guard("get", lambda c, t: c.get(key, timeout=t, limit=cap), None)
 
     def _put(self, key: str, data: bytes) -> bool:
         # Created or already present: either way the key is now in the store.

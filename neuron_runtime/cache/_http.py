@@ -208,17 +208,21 @@ class HttpStore(FleetStore):
 
     # ------------------------------------------------------------------ the contract
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
         check_key(key)
+        cap = self.cap(self.max_entry, limit)
+        assert cap is not None  # (the HTTP store always has a max_entry)
 
         def read() -> bytes | None:
             record = self._record(key)
             if record is None:
                 return None
             digest, size = record
-            if size > self.max_entry:
+            if size > cap:
+                if cap < self.max_entry:
+                    return None  # over the call's own limit: a miss, not a fault of the store
                 raise HttpStatusError("GET", self._cas(digest), 413, b"entry over max_entry")
-            status, data = self._request("GET", self._cas(digest), limit=self.max_entry)
+            status, data = self._request("GET", self._cas(digest), limit=cap)
             if status == 404:
                 log.debug("%s: cas/%s of key %s is gone (evicted after its record was read): a miss",
                           self.url, digest, key)

@@ -91,7 +91,7 @@ class _BytesOnlyDisk(diskcache.Disk):  # type: ignore[misc]
         # Decide from the mode column alone; MODE_PICKLE never reaches diskcache's pickle.load.
         if mode == MODE_PICKLE:
             raise IntegrityError("pickled", "a pickled row in the local cache (refused, never unpickled)")
-        if mode not in (MODE_RAW, MODE_BINARY) or read:
+        if mode not in (MODE_RAW, MODE_BINARY):  # (`read`: a file's handle, for a bounded read)
             raise IntegrityError("header", f"unexpected diskcache row mode {mode} (expected bytes)")
         return super().fetch(mode, filename, value, read)
 
@@ -166,14 +166,23 @@ class LocalCache(CacheBackend):
                 self.faults.record(self._unusable, "open", e)
             return self._cache
 
-    def get(self, key: str) -> bytes | None:
-        """The stored bytes or None. Raises `IntegrityError("pickled")` for a pickled row (see module)."""
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        """The stored bytes or None. Raises `IntegrityError("pickled")` for a pickled row (see module).
+        With `limit`, a value stored in a file is measured (`fstat`) before it is read, and read no further
+        than `limit` + 1 bytes."""
         check_key(key)
         db = self._db("get")
         if db is None:
             return None
         try:
-            value = db.get(key, default=None, retry=False)
+            value = db.get(key, default=None, retry=False, read=limit is not None)
+            if limit is not None and value is not None and not isinstance(value, bytes):
+                with value:  # a value file's handle
+                    if os.fstat(value.fileno()).st_size > limit:
+                        return None
+                    value = value.read(limit + 1)
+            if limit is not None and isinstance(value, bytes) and len(value) > limit:
+                return None
         except IntegrityError:
             raise
         except (OSError, sqlite3.Error, diskcache.Timeout) as e:

@@ -23,11 +23,11 @@ class MemoryStore(CacheBackend):
         self._leases: dict[str, tuple[object, float]] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
         check_key(key)
         with self._lock:
             item = self._data.get(key)
-        return None if item is None else item[0]
+        return None if item is None or (limit is not None and len(item[0]) > limit) else item[0]
 
     def _put(self, key: str, data: bytes) -> bool:
         with self._lock:

@@ -59,12 +59,14 @@ class SharedPathStore(FleetStore):
     def _lease_path(self, key: str) -> str:
         return os.path.join(self.root, self.lease_relpath(check_key(key)))
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
         path = self._path(key)
+        cap = self.cap(self.max_entry, limit)
+        assert cap is not None  # (the path store always has a max_entry)
 
         def read() -> bytes | None:
             try:
-                return read_file(path, self.max_entry)
+                return read_file(path, cap)
             except FileNotFoundError:
                 return None
 

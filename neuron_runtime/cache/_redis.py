@@ -170,10 +170,14 @@ class RedisStore(FleetStore):
 
     # ------------------------------------------------------------------ the contract
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
         k = self._k(key)
 
         def read() -> bytes | None:
+            # A call's own limit below the store's cap: the value's length first (STRLEN), one round trip
+            # more; the reply parser still stops at `max_entry` should it grow in between.
+            if limit is not None and limit < self.max_entry and int(self.client.strlen(k)) > limit:
+                return None
             data = self.client.getex(k, px=self.ttl_ms) if self.ttl_ms else self.client.get(k)
             return None if data is None else bytes(data)
 

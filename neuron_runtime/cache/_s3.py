@@ -128,11 +128,12 @@ class S3Store(FleetStore):
                 return False
             raise
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
         k = self._key(self.relpath(check_key(key)))
+        cap = self.cap(self.max_entry, limit)
 
         def read() -> bytes | None:
-            got = self._call(self._read, k, self.max_entry)
+            got = self._call(self._read, k, cap)
             return None if got is None else bytes(got[0])
 
         return self._guard("get", None, read)

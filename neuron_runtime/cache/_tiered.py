@@ -29,6 +29,7 @@ no leases are taken); `strict` (like readwrite, but a miss raises `CacheMissErro
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -150,10 +151,11 @@ class TieredCache:
                        "neuron-runtime: %s cache %s raised %r; treated as a miss / skipped write", name, op, e)
             return default
 
-    def _read(self, name: str, backend: CacheBackend, key: str) -> tuple[envelope.Entry, bytes] | None:
+    def _read(self, name: str, backend: CacheBackend, key: str,
+              limit: int | None = None) -> tuple[envelope.Entry, bytes] | None:
         data: bytes | None = None
         try:
-            data = self._safe(name, "get", lambda: backend.get(key), None)
+            data = self._safe(name, "get", lambda: _get(backend, key, limit), None)
             if data is None:
                 return None
             return self._verify(key, data), data
@@ -252,12 +254,19 @@ class TieredCache:
         self._verify(key, data)
         return self._write(key, data)
 
-    def read_tier(self, name: str, key: str) -> envelope.Entry | None:
+    def read_tier(self, name: str, key: str, limit: int | None = None) -> envelope.Entry | None:
         """The verified entry tier `name` holds for `key` (a bad one is quarantined), without looking at
-        the other tiers or filling them: for data each tier keeps on its own (a job's manifest)."""
+        the other tiers or filling them: for data each tier keeps on its own (a job's manifest). With
+        `limit`, an entry over `limit` bytes is not read (`CacheBackend.get`): None, as for a miss."""
         check_key(key)
-        got = self._read(name, dict(self.tiers)[name], key)
+        got = self._read(name, dict(self.tiers)[name], key, limit)
         return None if got is None else got[0]
+
+    def holds(self, name: str, key: str) -> bool:
+        """Whether tier `name` has an entry under `key` (whatever it is; nothing of it is read)."""
+        check_key(key)
+        backend = dict(self.tiers)[name]
+        return bool(self._safe(name, "contains", lambda: key in backend.contains_many([key]), False))
 
     def put_tier(self, name: str, key: str, data: bytes) -> bool:
         """Verify `data`, then write it to tier `name` only (first writer wins); False when skipped."""
@@ -411,3 +420,19 @@ class TieredCache:
     def close(self) -> None:
         for name, backend in self.tiers:
             self._safe(name, "close", backend.close, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_limit(cls: type) -> bool:
+    return "limit" in inspect.signature(cls.get).parameters
+
+
+def _get(backend: CacheBackend, key: str, limit: int | None) -> bytes | None:
+    """`backend.get(key, limit)`; a backend written before `limit` existed is asked for the whole value,
+    which is then refused past `limit` (bounded by its own cap only)."""
+    if limit is None:
+        return backend.get(key)
+    if _takes_limit(type(backend)):
+        return backend.get(key, limit=limit)
+    data = backend.get(key)
+    return None if data is None or len(data) > limit else data

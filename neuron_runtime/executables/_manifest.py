@@ -57,6 +57,9 @@ MAX_SEGMENTS = 64               # segments per generation, read (and written) pe
 MAX_GENERATIONS = 1 << 20       # a bound on the generation numbers a reader probes (2**20 * 64 writes)
 MAX_SEGMENT_BYTES = 4 << 20     # a segment's payload
 MAX_ITEM_BYTES = 256 << 10      # one signature's canonical JSON (a torch.compile graph's is the largest)
+# What a reader reads of one segment at most: its payload and the envelope around it (a header of at most
+# 1 MiB, lengths, digest, HMAC). A larger value under a segment's key is never read (`read_tier`'s limit).
+MAX_READ = MAX_SEGMENT_BYTES + (1 << 20) + 4096
 
 
 class ManifestError(ValueError):
@@ -179,7 +182,7 @@ class Chain:
 
     def _compaction(self, tier: str, gen: int) -> bool:
         """Whether segment 0 of generation `gen` of `tier` is a compaction (read into `items` if it is)."""
-        entry = self.cache.read_tier(tier, segment_key(self.job, self.fp, 0, gen))
+        entry = self.cache.read_tier(tier, segment_key(self.job, self.fp, 0, gen), MAX_READ)
         if entry is None or not entry.header.get("compaction"):
             return False
         try:
@@ -207,9 +210,15 @@ class Chain:
         """Read segment `i` of generation `gen` of `tier` (or take `entry`, read already) into `items`;
         False if the tier has no such segment."""
         if entry is None:
-            entry = self.cache.read_tier(tier, segment_key(self.job, self.fp, i, gen))
-        if entry is None:
-            return False
+            key = segment_key(self.job, self.fp, i, gen)
+            entry = self.cache.read_tier(tier, key, MAX_READ)
+            if entry is None:
+                if not self.cache.holds(tier, key):
+                    return False
+                # Something no reader takes (over MAX_READ, or unreadable): it occupies the index.
+                self.problems.append(f"segment {i} (generation {gen}) is over {MAX_READ} bytes or unreadable; "
+                                     "not read")
+                return True
         try:
             sigs, problems = parse(entry, self.job, i, gen)
         except ManifestError as e:
@@ -252,15 +261,16 @@ class Chain:
                     data = self.cache.pack(key, header(self.job, self.fp, i, self.writer, gen,
                                                        compaction=gen > 0 and i == 0),
                                            payload(self.job, i, sigs, gen))
-                    back = self.cache.read_tier(name, key)
+                    back = self.cache.read_tier(name, key, MAX_READ)
                     if back is None:
                         # Create-only: if another writer gets there first, the read back shows its segment.
-                        if not self.cache.put_tier(name, key, data):
-                            refused = True  # the tier refused the write (full, down, read-only): nothing more now
-                            break
-                        back = self.cache.read_tier(name, key)
+                        if self.cache.put_tier(name, key, data):
+                            back = self.cache.read_tier(name, key, MAX_READ)
                         if back is None:
-                            refused = True
+                            if self.cache.holds(name, key):  # occupied by what no reader takes: next index
+                                i += 1
+                                continue
+                            refused = True  # the tier refused the write (full, down, read-only): nothing more now
                             break
                     if back.header.get("writer") == self.writer:
                         held.update(self.key_of(s) for s in sigs)

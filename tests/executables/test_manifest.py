@@ -56,9 +56,9 @@ def test_eighty_writers_lose_nothing(rt: _runtime.Runtime) -> None:
     assert cache is not None
     orig = cache.read_tier
 
-    def counted(tier: str, key: str) -> Any:
+    def counted(tier: str, key: str, limit: int | None = None) -> Any:
         reads.append(key)
-        return orig(tier, key)
+        return orig(tier, key, limit)
 
     cache.read_tier = counted  # type: ignore[method-assign]
     assert set(chain(rt).read()) == set(got)
@@ -76,3 +76,25 @@ def test_junk_segments_do_not_freeze_the_manifest(rt: _runtime.Runtime) -> None:
         write(rt, n)
     got = chain(rt).read()
     assert {rt.resolver.key(sig(n)) for n in range(1, 11)} <= set(got)
+
+
+def test_an_oversized_segment_is_never_read_and_takes_only_its_index(rt: _runtime.Runtime) -> None:
+    """Issue 41 item 3: a value over a segment's bound under a segment's key (here 12 MiB in the local
+    tier; a 1,000 MiB one cost +2 GiB RSS at every start) is measured, not read, and writers go on past it."""
+    import tracemalloc
+
+    cache = rt.cache
+    assert cache is not None
+    big = _manifest.segment_key(JOB, rt.fingerprint, 0)
+    assert cache.local.put(big, b"\0" * (12 << 20))
+    write(rt, 3)
+    tracemalloc.start()
+    try:
+        reader = chain(rt)
+        got = reader.read()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert rt.resolver.key(sig(3)) in got and reader.next["local"] == 2
+    assert any("over" in p for p in reader.problems), reader.problems
+    assert peak < _manifest.MAX_READ, peak
