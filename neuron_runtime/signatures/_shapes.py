@@ -244,6 +244,9 @@ def _needed(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[
     analytic = _broadcast_groups(sig, positions)
     if analytic is not None:
         return analytic
+    tied = _tied_groups(sig, positions)
+    if tied is not None:
+        return tied
     # Per signature first (an op running on the host while it compiles asks on every call), then per
     # structure (a new length with the same coincidences).
     exact = json.dumps([sig, positions], sort_keys=True, default=str)
@@ -268,6 +271,41 @@ def _needed(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[
     if found is None:
         return None
     return [[positions[k] for k in g] for g in found]
+
+
+# Ops whose meta kernel (and CPU kernel) accepts sizes the op cannot compute with, so probing finds no
+# equality: their size relations, written as einsum-like letters per tensor argument (from the left; a
+# mask's from the right, it broadcasts). Positions with the same letter and the same size share a symbol;
+# a letter seen once is a size of its own. Attention: q [B, H, L, E], k [B, H, S, E], v [B, H, S, Ev],
+# out and grad_out [B, H, L, Ev], logsumexp [B, H, L] (CPU's flash kernels read k and v with q's batch and
+# heads, whatever their sizes say: issue 40 measured one compile per sequence length without this).
+_ATTENTION = {"query": "BHLE", "key": "BHSE", "value": "BHSV", "out": "BHLV", "grad_out": "BHLV",
+              "logsumexp": "BHL", "attn_mask": "-LS"}
+_TIED_DIMS: dict[str, dict[str, str]] = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": _ATTENTION,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _ATTENTION,
+}
+
+
+def _tied_groups(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[tuple[int, int]]] | None:
+    """Rule 2 from `_TIED_DIMS` for the ops listed there (None for others)."""
+    letters = _TIED_DIMS.get(str(sig.get("op", "")))
+    if letters is None:
+        return None
+    from ._ops import OPT_TENSOR, TENSOR
+
+    names = [name for name, kind, desc in sig["args"] if kind in (TENSOR, OPT_TENSOR) and _is_tensor(desc)]
+    tensors = tensor_descs(sig)
+    if len(names) != len(tensors):
+        return None
+    groups: dict[Any, list[tuple[int, int]]] = {}
+    for t, i in positions:
+        pattern, rank = letters.get(names[t], ""), len(tensors[t]["sizes"])
+        k = i - (rank - len(pattern)) if pattern.startswith("-") else i  # a mask aligns from the right
+        letter = pattern[k] if 0 <= k < len(pattern) and pattern[k] != "-" else None
+        key = (letter, tensors[t]["sizes"][i]) if letter is not None else (t, i)
+        groups.setdefault(key, []).append((t, i))
+    return sorted(groups.values())
 
 
 def _broadcast_groups(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[tuple[int, int]]] | None:
