@@ -1,58 +1,15 @@
 """The self-check's verdict on graphs (`compiler._aoti._compare`, `_accuracy`, `_examples`), without a
 compile: eager's float64 result of a real backward graph, rounded to float32, stands for the most exact
-executable a compiler could build; it must be accepted, and an output off by 5 % refused with a reason."""
+executable a compiler could build; it must be accepted, and an output moved by 5 % refused with a reason."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 from neuron_runtime.compiler import CompileRefused
-from neuron_runtime.compiler import _accuracy, _aoti, _examples
-from neuron_runtime.graphs import _graph
-
-
-def graph_signatures(model: torch.nn.Module, *inputs: Any) -> list[dict[str, Any]]:
-    """The forward and backward graph signatures `torch.compile(backend="neuron")` would key."""
-    sigs: list[dict[str, Any]] = []
-
-    def grab(kind: str) -> Any:
-        def compile_graph(gm: torch.fx.GraphModule, _example: Any) -> Any:
-            sigs.append(_graph.signature(gm, kind).signature)
-            return make_boxed_func(gm)
-        return compile_graph
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=grab("forward"), bw_compiler=grab("backward")))
-    compiled(*inputs).sum().backward()
-    torch._dynamo.reset()
-    return sigs
-
-
-def check(sig: dict[str, Any], wrong: int | None = None, centred: bool = True) -> None:
-    """The self-check's comparison of `sig` on its example values, with eager's float64 result (rounded
-    to float32, in eager's layout) as the compiled artifact's; output `wrong` made 5 % off. Not
-    `centred`: the values an op gets (all in [0.5, 1.5), which drive a backward graph's values to 1e15)."""
-    job = _aoti._Job(sig)
-    _aoti._plan(job)
-    flat = job.flat if centred else {k: v for k, v in job.flat.items() if k != "values"}
-    inputs, scalar_types = _examples.example_inputs(flat, values=True)
-    tensors = inputs[:len(inputs) - len(scalar_types)]
-    scalars = [0.5 if t == "float" else 2 for t in scalar_types]
-    pristine = [t.clone() for t in tensors]
-    want = list(job.run(tensors, scalars)) + [tensors[i] for i in job.into]
-    ref, why = _accuracy.float64_reference(lambda: _aoti._float64_run(job), pristine, scalars, job.into)
-    assert ref is not None, why
-    got = [w.clone() if not w.is_floating_point() else
-           torch.empty_strided(w.shape, w.stride(), dtype=w.dtype).copy_(r) if w.stride() and 0 not in w.stride()
-           else w.clone() for w, r in zip(want, ref)]
-    if wrong is not None:
-        got[wrong] = got[wrong] * 1.05
-    _aoti._compare(job, got, want, set(), lambda: (ref, why))
+from neuron_runtime.compiler import _examples
+from selfcheck_helpers import check, graph_signatures
 
 
 class Block(torch.nn.Module):
