@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ from ..signatures import (
     kind_of,
     other_instance,
 )
-from . import _aoti_runtime, _examples, _inplace, _lowering, _package, _runner, _standins, _toolchain, _units
+from . import _accuracy, _aoti_runtime, _examples, _inplace, _lowering, _package, _runner, _standins, _toolchain, _units
 from ._base import CompileRefused, Compiled, Compiler, Executable
 from ._reference import aten_executable, build_call, build_graph, resolve
 
@@ -156,10 +156,14 @@ def _plan(job: _Job) -> list[list[Any]] | None:
     return _examples.dynamic_dims(cls) if cls is not None else None
 
 
-def _compare(job: _Job, got: list[Any], want: list[Any], held: set[int]) -> None:
+def _compare(job: _Job, got: list[Any], want: list[Any], held: set[int],
+             reference: Callable[[], tuple[list[Any] | None, str]] | None = None) -> None:
     """The self-check's verdict: each output of the artifact (`got`: its results, then the inputs it
-    wrote) against eager's (`want`), by shape, dtype, strides and values; `held`: the inputs' memory."""
+    wrote) against eager's (`want`), by shape, dtype, strides and values; `held`: the inputs' memory;
+    `reference()`: eager's outputs in float64 on the same values and why there are none (asked for only
+    when an output is not within plain tolerance: `_accuracy`)."""
     qualname = job.qualname
+    ref: tuple[list[Any] | None, str] | None = None
     for i, (g, w) in enumerate(zip(got, want)):
         # A compiled graph (torch.compile) may return views of its inputs (a transposed weight saved
         # for backward): its caller relabels them over the same memory, as the view would be.
@@ -176,12 +180,45 @@ def _compare(job: _Job, got: list[Any], want: list[Any], held: set[int]) -> None
                       f"gives {list(w.shape)}/{w.stride()}/{w.dtype}")
         if qualname in _UNDEFINED_VALUES:
             continue
-        inexact = g.is_floating_point() or g.is_complex()
-        if inexact and not torch.allclose(g.to(torch.complex128 if g.is_complex() else torch.float64),
-                                          w.to(torch.complex128 if w.is_complex() else torch.float64),
-                                          rtol=1e-2, atol=1e-2, equal_nan=True) or \
-                not inexact and not torch.equal(g, w):
-            raise CompileRefused(f"{qualname}: output {i} differs from eager on example values")
+        if not (g.is_floating_point() or g.is_complex()):
+            if not torch.equal(g, w):
+                raise CompileRefused(f"{qualname}: output {i} ({_output_name(job, i)}, {w.dtype}) differs "
+                                     "from eager on example values (an exact dtype)")
+            continue
+        if _accuracy.judge(g, w, None) is None:
+            continue
+        if ref is None:
+            ref = reference() if reference is not None else (None, "no float64 run to judge by")
+        refs, why_none = ref
+        why = _accuracy.judge(g, w, refs[i] if refs is not None and i < len(refs) else None)
+        if why is not None:
+            raise CompileRefused(f"{qualname}: output {i} ({_output_name(job, i)}, {list(w.shape)} {w.dtype}) "
+                                 f"differs from eager on example values: {why}"
+                                 + (f"; {why_none}" if why_none else ""))
+
+
+def _float64_run(job: _Job) -> Any:
+    """`job.run` for its signature with every float32/half dtype made float64 (`_accuracy`'s referee)."""
+    exact = _accuracy.upcast_signature(job.exact)
+    if has_nodes(exact):
+        return build_graph(exact, wrapped_as_tensors=True, choose=_standins.for_node)
+    if exact.get("writes"):
+        return _inplace.in_place_call(exact)[0]
+    op = resolve(job.qualname)
+    return build_call(exact, _standins.per_element(job.qualname, op, exact) or op, wrapped_as_tensors=True)
+
+
+def _output_name(job: _Job, i: int) -> str:
+    """What computes output `i`: a graph's node (`node 12 aten::mm`), an input it writes, or the op."""
+    exact = job.exact
+    if has_nodes(exact):
+        outputs = list(exact.get("outputs", []))
+        if i < len(outputs):
+            o = outputs[i]
+            j = int(o) if isinstance(o, int) else int(o[0])
+            return f"node {j} {exact['graph'][j]['sig']['op']}"
+        return f"written into input {job.into[i - len(outputs)]}" if i - len(outputs) < len(job.into) else "?"
+    return job.qualname
 
 
 class AotiCompiler(Compiler):
@@ -402,6 +439,7 @@ class AotiCompiler(Compiler):
         except Exception as e:  # noqa: BLE001 - an artifact that cannot load is refused, never cached
             raise CompileRefused(f"{qualname}: compiled artifact fails to load ({type(e).__name__}: "
                                  f"{str(e).strip()[:300]})") from e
+        pristine = [t.clone() if i in into else t for i, t in enumerate(tensors)]  # for the float64 run
         try:
             want = job.run(tensors, scalars)
             want = list(want) + [tensors[i] for i in into]
@@ -420,7 +458,8 @@ class AotiCompiler(Compiler):
         if len(got) != len(want):
             raise CompileRefused(f"{qualname}: compiled artifact returns {len(got)} outputs, the op {len(want)}")
         held = {t.untyped_storage().data_ptr() for t in mine if isinstance(t, torch.Tensor)}
-        _compare(job, got, want, held)
+        _compare(job, got, want, held,
+                 lambda: _accuracy.float64_reference(lambda: _float64_run(job), pristine, scalars, into))
 
     # -- load ---------------------------------------------------------------------------------------
     def payload_signature(self, payload: bytes) -> dict[str, Any] | None:

@@ -44,16 +44,25 @@ def example_inputs(signature: dict[str, Any], values: bool = False) -> tuple[lis
     """Tensors with the signature's exact dtype/sizes/strides, then one 0-d tensor per run-time scalar.
 
     With `values`, floating tensors hold random numbers (the self-check compares against eager); integer
-    tensors hold zeros, which are valid indices for any op that takes indices."""
+    tensors hold zeros, which are valid indices for any op that takes indices. An op's inputs are
+    uniform in [0.5, 1.5); a graph's (`graph_inputs`: its `"values"`) are centred, uniform in
+    [-0.5, 0.5) and each of its own draw, as a model's weights, activations and gradients are (positive
+    values through a backward graph's dozens of matmuls grow to 1e23 and cancel each other's digits),
+    except those an op of the graph reads directly where only positive values are defined (`_POSITIVE`)."""
     tensors: list[torch.Tensor] = []
     scalar_types: list[str] = []
     wrapped = dict(wrapped_slots(signature))
+    hints = signature.get("values") or {}
+    positive = set(hints.get("positive", []))
     for name, kind, desc in signature["args"]:
         if kind in TENSOR_KINDS:
             for d in tensors_in(kind, desc):
                 if is_wrapped(d):  # only ever in a Tensor slot (`signatures.build_signature`)
                     dtype = WRAPPED_DTYPES[wrapped[len(tensors)]]
                     tensors.append(torch.tensor(_EXAMPLE_NUMBERS[d["wrapped"]], dtype=dtype))
+                elif hints.get("centred"):
+                    k = len(tensors)
+                    tensors.append(_example_tensor(d, values, centred=k not in positive, seed=k))
                 else:
                     tensors.append(_example_tensor(d, values))
         elif kind in (SCALAR, SCALARS):
@@ -107,11 +116,25 @@ def wrapped_slots(signature: dict[str, Any]) -> list[tuple[int, str]]:
     return [(i, idt if t == "int" else "bool" if t == "bool" else fdt) for i, t in slots]
 
 
+# Ops whose (named; None: every) tensor inputs are defined only for positive values, or, as a divisor,
+# ill-conditioned near 0: a graph input read by one of them gets positive example values.
+_POSITIVE: dict[str, tuple[str, ...] | None] = {
+    **{f"aten::{op}": None for op in (
+        "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "lgamma", "digamma", "polygamma",
+        "mvlgamma", "_foreach_sqrt", "_foreach_log", "_foreach_reciprocal", "_foreach_div", "xlogy",
+        "special_xlog1py", "special_entr", "logit", "acosh")},
+    "aten::pow": ("self",), "aten::float_power": ("self",), "aten::div": ("other",), "aten::fmod": ("other",),
+    "aten::remainder": ("other",), "aten::addcdiv": ("tensor2",), "aten::_foreach_addcdiv": ("tensor2",),
+    "aten::atan2": ("other",), "aten::true_divide": ("other",), "aten::floor_divide": ("other",),
+}
+
+
 def graph_inputs(signature: dict[str, Any]) -> dict[str, Any]:
     """A fused group's inputs as one flat signature: its external tensors (`e0`, `e1`, ... described by
     the slot each feeds first), then every node's run-time scalars in node order; what `build_graph`'s
     executable takes. Each node's scalars are checked as a single op's are."""
     ext: dict[int, Any] = {}
+    positive: set[int] = set()  # inputs an op reads where only positive values are defined
     scalars: list[list[Any]] = []
     for k, node in enumerate(signature["graph"]):
         sig = node["sig"]
@@ -121,14 +144,19 @@ def graph_inputs(signature: dict[str, Any]) -> dict[str, Any]:
         slots = [d for _, kind, desc in sig["args"] for d in tensors_in(kind, desc)]
         if len(slots) != len(node["in"]):
             raise CompileRefused(f"{signature['op']}: node {k} ({sig['op']}) is not a fusible op")
-        for w, desc in zip(node["in"], slots):
+        names = [name for name, kind, desc in sig["args"] for _ in tensors_in(kind, desc)]
+        wants = _POSITIVE.get(sig["op"].split(".")[0], ())
+        for w, desc, name in zip(node["in"], slots, names):
             if w[0] == "e":
                 ext.setdefault(int(w[1]), desc)
+                if wants is None or name in wants:
+                    positive.add(int(w[1]))
         scalars += [[f"n{k}.{name}", kind, desc] for name, kind, desc in sig["args"]
                     if kind in (SCALAR, SCALARS) and desc is not None]
     if sorted(ext) != list(range(len(ext))):
         raise CompileRefused(f"{signature['op']}: external inputs {sorted(ext)} are not numbered 0..n-1")
-    return {"op": signature["op"], "args": [[f"e{i}", TENSOR, ext[i]] for i in range(len(ext))] + scalars}
+    return {"op": signature["op"], "args": [[f"e{i}", TENSOR, ext[i]] for i in range(len(ext))] + scalars,
+            "values": {"centred": True, "positive": sorted(positive)}}
 
 
 def check_scalar_schema(qualname: str, op: Any, signature: dict[str, Any]) -> None:
@@ -154,7 +182,8 @@ def dynamic_dims(cls: dict[str, Any]) -> list[list[Any]]:
     return out
 
 
-def _example_tensor(desc: dict[str, Any], values: bool = False) -> torch.Tensor:
+def _example_tensor(desc: dict[str, Any], values: bool = False, centred: bool = False,
+                    seed: int = 0) -> torch.Tensor:
     dtype = decode_dtype(desc["dtype"])
     if dtype.itemsize == 1 and dtype.is_floating_point:
         # Inductor's CPU backend has no float8 codegen; the host runs these exactly. (Complex tensors
@@ -166,8 +195,9 @@ def _example_tensor(desc: dict[str, Any], values: bool = False) -> torch.Tensor:
     flat = torch.zeros(n, dtype=dtype)
     if values and (dtype.is_floating_point or dtype.is_complex):
         # Uniform in [0.5, 1.5): positive (log, sqrt, division stay finite), away from kinks at 0 and 1.
-        gen = torch.Generator().manual_seed(0)
-        real = torch.rand(n, generator=gen, dtype=torch.float32) + 0.5
+        # Centred (a graph's): uniform in [-0.5, 0.5).
+        gen = torch.Generator().manual_seed(seed)
+        real = torch.rand(n, generator=gen, dtype=torch.float32) + (-0.5 if centred else 0.5)
         flat.copy_(torch.complex(real, torch.rand(n, generator=gen) + 0.5) if dtype.is_complex else real)
     return flat.as_strided(sizes, strides)
 

@@ -120,6 +120,11 @@ def _inside_gaps(values: list[int], strides: list[int]) -> set[int]:
     """Sizes of the dims inside a stride gap (a slice's row: the dims whose strides come before a stride
     that no product of inner sizes explains). They bound each other (export guards `s <= stride - 1` so
     rows cannot overlap), so they stay static; the dims outside the gap stay free."""
+    return {values[i] for i in _gap_dims(values, strides)}
+
+
+def _gap_dims(values: list[int], strides: list[int]) -> set[int]:
+    """The dims `_inside_gaps` names, by index."""
     fixed: set[int] = set()
     known = {1}
     inner: list[int] = []
@@ -128,7 +133,7 @@ def _inside_gaps(values: list[int], strides: list[int]) -> set[int]:
             continue
         if strides[i] not in known:
             fixed.update(inner)
-        inner.append(values[i])
+        inner.append(i)
         known.add(strides[i] * values[i])
     return fixed
 
@@ -196,6 +201,14 @@ def ranked_class(sig: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
+    if str(sig.get("op", "")) in _TIED_DIMS:
+        # Sizes inside a slice's row stay literal by position, with every size the op ties to them: a
+        # sequence length equal to the head dim of `qkv[..., :64]` is still a length (rule 4 by value
+        # would keep it literal, one class per such coincidence).
+        gap_dims = {(t, i) for t, d in enumerate(tensor_descs(sig))
+                    for i in _gap_dims(list(d["sizes"]), list(d["strides"]))}
+        every = [(t, i) for t, d in enumerate(tensor_descs(sig)) for i, n in enumerate(d["sizes"]) if n >= 2]
+        return _with_symbols(sig, [g for g in _tied_groups(sig, every) or [] if not gap_dims & set(g)])
     gaps: set[int] = set()
     for d in tensor_descs(sig):
         gaps |= _inside_gaps(list(d["sizes"]), list(d["strides"]))
@@ -211,6 +224,11 @@ def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
             if tensors[p[0]]["sizes"][p[1]] not in fixed:
                 by_value.setdefault(tensors[p[0]]["sizes"][p[1]], []).append(p)
         groups = list(by_value.values())
+    return _with_symbols(sig, groups)
+
+
+def _with_symbols(sig: dict[str, Any], groups: list[list[tuple[int, int]]]) -> dict[str, Any] | None:
+    """The class of `sig` whose symbol `s{k}` stands for the sizes at the positions of `groups[k]`."""
     symbol_of = {p: f"s{k}" for k, group in enumerate(groups) for p in group}
     if not symbol_of:
         return None
@@ -268,6 +286,42 @@ def _needed(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[
     if found is None:
         return None
     return [[positions[k] for k in g] for g in found]
+
+
+# Ops whose meta kernel (and CPU kernel) accepts sizes the op cannot compute with, so probing finds no
+# equality: their size relations, written as einsum-like letters per tensor argument (from the left; a
+# mask's from the right, it broadcasts). Positions with the same letter and the same size share a symbol;
+# a letter seen once is a size of its own. CPU's flash attention: q, out and grad_out [B, H, L, E], k and v
+# [B, H, S, E] (one head size), logsumexp [B, H, L]. Its kernels read k and v with q's batch and heads
+# whatever their sizes say, so probing found no relation, the second-shape check drew every size on its
+# own and compared garbage (issue 40: the backward's class refused, one compile per sequence length).
+_ATTENTION = {"query": "BHLE", "key": "BHSE", "value": "BHSE", "out": "BHLE", "grad_out": "BHLE",
+              "logsumexp": "BHL", "attn_mask": "-LS"}
+_TIED_DIMS: dict[str, dict[str, str]] = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": _ATTENTION,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _ATTENTION,
+}
+
+
+def _tied_groups(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[tuple[int, int]]] | None:
+    """Rule 2 from `_TIED_DIMS` for the ops listed there (`_symbolic`; None for others)."""
+    letters = _TIED_DIMS.get(str(sig.get("op", "")))
+    if letters is None:
+        return None
+    from ._ops import OPT_TENSOR, TENSOR
+
+    names = [name for name, kind, desc in sig["args"] if kind in (TENSOR, OPT_TENSOR) and _is_tensor(desc)]
+    tensors = tensor_descs(sig)
+    if len(names) != len(tensors):
+        return None
+    groups: dict[Any, list[tuple[int, int]]] = {}
+    for t, i in positions:
+        pattern, rank = letters.get(names[t], ""), len(tensors[t]["sizes"])
+        k = i - (rank - len(pattern)) if pattern.startswith("-") else i  # a mask aligns from the right
+        letter = pattern[k] if 0 <= k < len(pattern) and pattern[k] != "-" else None
+        key = (letter, tensors[t]["sizes"][i]) if letter is not None else (t, i)
+        groups.setdefault(key, []).append((t, i))
+    return sorted(groups.values())
 
 
 def _broadcast_groups(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[tuple[int, int]]] | None:

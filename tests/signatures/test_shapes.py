@@ -413,3 +413,34 @@ def test_lengths_that_collide_with_the_model_s_dims_compile_almost_nothing(rt: _
                   on_length=lambda t: counts.append(_compiles()))
     per_length = [b - a for a, b in zip(counts, counts[1:])]
     assert per_length[0] > 20 and sum(per_length[1:]) <= 0.1 * per_length[0], per_length
+
+
+def test_attention_classes_keep_the_op_s_size_relations_so_the_second_shape_is_checked() -> None:
+    """q, k, v, out and grad_out share batch and heads, q/out/grad_out their length, k and v theirs; the
+    class's second shape keeps that, so CPU's flash kernels compute on it what the math does (its meta
+    and CPU kernels accept any sizes: drawn independently, the second check compared garbage)."""
+    b, h, t, e = 2, 4, 8, 8  # the length equals the head dim: a coincidence, not a relation
+    # q, k, v as a fused QKV projection gives them: slices of one [b, t, 3 * h * e] tensor (the head dim
+    # is inside a slice's row, so it stays literal; the length must not, though it is equal to it)
+    q, k, v = (z.view(b, t, h, e).transpose(1, 2) for z in torch.randn(b, t, 3 * h * e).split(h * e, -1))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    grad = torch.randn_like(out)
+    fwd = cls_of("aten::_scaled_dot_product_flash_attention_for_cpu", q, k, v, 0.0, True)
+    bwd = cls_of("aten::_scaled_dot_product_flash_attention_for_cpu_backward", grad, q, k, v, out, lse, 0.0, True)
+    for cls in (fwd, bwd):
+        sizes = {name: d["sizes"] for name, _, d in cls["args"] if isinstance(d, dict) and "sizes" in d}
+        assert isinstance(sizes["query"][2], str) and isinstance(sizes["key"][2], str), sizes  # lengths
+        assert sizes["query"][:3] == sizes["key"][:2] + [sizes["query"][2]] != sizes["key"][:3], sizes
+        assert sizes["key"][2] == sizes["value"][2] and sizes["query"][3] == sizes["key"][3] == e
+    other = {name: d["sizes"] for name, _, d in _shapes.other_instance(bwd)["args"]
+             if isinstance(d, dict) and "sizes" in d}
+    assert other["grad_out"] == other["out"] and other["query"][:3] == other["out"][:3] == other["logsumexp"]
+    q2, k2, v2 = (torch.randn(other[n], requires_grad=True) for n in ("query", "key", "value"))
+    o2, lse2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q2, k2, v2, 0.0, True)
+    g2 = torch.randn(other["grad_out"])
+    got = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g2, q2.detach(), k2.detach(), v2.detach(), o2.detach(), lse2, 0.0, True)
+    want = torch.autograd.grad(torch.ops.aten._scaled_dot_product_attention_math(q2, k2, v2, is_causal=True)[0],
+                               (q2, k2, v2), g2)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
