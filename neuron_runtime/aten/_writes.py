@@ -18,6 +18,7 @@ import ctypes
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense
 from torch.utils._pytree import tree_leaves
 
 from ..signatures import TENSOR_KINDS, OpInfo
@@ -162,23 +163,65 @@ def spans_touch(a: torch.Tensor, b: Any) -> bool:
     return bool(pb < st.data_ptr() + st.nbytes())
 
 
+def spans_meet_full(a: torch.Tensor, b: Any) -> bool:
+    """`spans_meet`, `a` itself included: the hit path's test for an op that is not pointwise, which may
+    not compute as CPU does when it reads the very tensor it writes (`m.addmm_(m, n)`; `full_overlap_ok`)."""
+    return a is b or spans_meet(a, b)
+
+
 def spans_meet_lists(a: list[torch.Tensor], b: list[Any]) -> bool:
     """`spans_meet` element by element (two lists of one length, as CPU's foreach ops check them)."""
     return len(a) == len(b) and any(spans_meet(x, y) for x, y in zip(a, b))
 
 
-def _partial(a: torch.Tensor, b: Any) -> bool:
-    """CPU's rule: `a` and `b` cover some of the same bytes, and are not the very same elements (equal
-    spans and strides). Tensors that are not dense CPU does not judge (too hard): not partial."""
-    if not isinstance(b, torch.Tensor) or not spans_meet(a, b) or a.numel() == 0 or b.numel() == 0:
-        return False
-    from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+#: CPU's message for a write that partially overlaps a read (`at::assert_no_partial_overlap`).
+PARTIAL_OVERLAP = ("unsupported operation: some elements of the input tensor and the written-to tensor refer to a "
+                   "single memory location. Please clone() the tensor before performing the operation.")
 
-    if not (is_non_overlapping_and_dense(a) and is_non_overlapping_and_dense(b)):
+# `overlap`'s answers: PyTorch's `at::MemOverlapStatus`.
+NO, FULL, PARTIAL, TOO_HARD = "no", "full", "partial", "too_hard"
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> str:
+    """PyTorch's `at::get_overlap_status(a, b)`, judged on the memory the tensors cover: FULL for the very
+    same elements (same span and strides), PARTIAL for dense tensors whose spans meet otherwise, TOO_HARD
+    for a non-dense one CPU does not judge, else NO. Memory rather than storage identity: the neuron
+    tensors' CPU views each have a storage of their own, and two storages never share memory on CPU."""
+    if a is b:
+        return FULL
+    if a.numel() == 0 or b.numel() == 0:
+        return NO
+    if not (_dense(a) and _dense(b)):
+        return TOO_HARD
+    pa, pb, na, nb = a.data_ptr(), b.data_ptr(), a.nbytes, b.nbytes
+    if pa == pb and na == nb:
+        return FULL if a.stride() == b.stride() else PARTIAL
+    return PARTIAL if pa < pb + nb and pb < pa + na else NO
+
+
+def assert_no_partial_overlap(written: torch.Tensor, read: torch.Tensor) -> None:
+    """CPU's check before `written` is written from `read` (TensorIterator's, `copy_`'s): cheap when the
+    tensors' bytes do not meet (two pointer comparisons)."""
+    if spans_meet(written, read) and overlap(written, read) == PARTIAL:
+        raise RuntimeError(PARTIAL_OVERLAP)
+
+
+def _cpu_judges(a: torch.Tensor, b: Any, full: bool) -> bool:
+    """Whether CPU's kernel must judge a write into `a` that reads `b`: their bytes meet and they are not
+    the very same elements (`full`: or they are). A partial overlap CPU refuses; non-dense tensors CPU does
+    not judge (too hard) but runs on the shared memory, in its own order, which an executable computing as
+    if its inputs were copies would not reproduce."""
+    if not isinstance(b, torch.Tensor) or not (a is b or spans_meet(a, b)):
         return False
-    if a.data_ptr() == b.data_ptr() and a.nbytes == b.nbytes:
-        return a.stride() != b.stride()
-    return True
+    o = overlap(a, b)
+    return o == PARTIAL or o == TOO_HARD or (full and o == FULL)
+
+
+def full_overlap_ok(info: OpInfo) -> bool:
+    """Whether a write may read the very same elements as an executable computes them: a pointwise op
+    reads each element before it writes it (`x.mul_(x)`); others (`x.index_copy_(0, i, x)`, which CPU
+    refuses, `m.addmm_(m, n)`, which CPU computes through the memory it writes) CPU judges."""
+    return torch.Tag.pointwise in info.op.tags
 
 
 def _written(info: OpInfo, values: tuple[Any, ...], out: bool) -> list[torch.Tensor]:
@@ -210,15 +253,20 @@ def _pairs(info: OpInfo, values: tuple[Any, ...], out: bool) -> list[tuple[torch
 
 def overlapping(info: OpInfo, values: tuple[Any, ...]) -> bool:
     """Whether CPU's kernel should judge this call's aliasing: a tensor it writes in place partially
-    overlaps one it reads (TensorIterator's rule: `_partial`), or an out= tensor shares any memory with an
-    input, as it is or once resized to the result's shape (the op's own rule then decides: elementwise ops
-    allow the very same elements, `gather` and the like refuse any overlap)."""
-    if any(_partial(x, y) for x, y in _pairs(info, values, out=False)):
+    overlaps one it reads, or meets it where CPU cannot tell, or reads the very same elements in an op
+    that is not pointwise (`_cpu_judges`), or has elements that share memory; or an out= tensor shares any memory with an input, as it is or once resized to the result's
+    shape (the op's own rule then decides: elementwise ops allow the very same elements, `gather` and the
+    like refuse any overlap)."""
+    full = not full_overlap_ok(info)
+    if any(_cpu_judges(x, y, full) for x, y in _pairs(info, values, out=False)):
         return True
-    grown: dict[int, int] | None = None
-    for x in _written(info, values, out=True):
-        if torch._debug_has_internal_overlap(x) == 1:  # CPU: "more than one element of the written-to..."
+    for x in _written(info, values, out=False) + _written(info, values, out=True):
+        # Elements of the written tensor that share memory (an expanded one): TensorIterator refuses it
+        # ("more than one element of the written-to ..."), other kernels write through it. Always so for
+        # the key (sizes and strides decide it), so such a key never reaches the hit path.
+        if torch._debug_has_internal_overlap(x) == 1:
             return True
+    grown: dict[int, int] | None = None
     for x, y in _pairs(info, values, out=True):
         if x is y:  # (empty ones too: CPU refuses `cat((x, y), out=x)` for an empty x)
             return True
@@ -271,3 +319,19 @@ def shared_views(values: tuple[Any, ...], host_values: tuple[Any, ...], copies: 
         return base.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
     return tuple(view(t, h) for t, h in zip(values, host_values))
+
+
+def adopt_geometry(info: OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...]) -> None:
+    """After CPU's kernel ran on `shared_views`: a written tensor whose view CPU gave other sizes or strides
+    within its storage (an out= of another shape resized in place, then squeezed: `linear(x1d, w, out=o)`)
+    takes them too, as the CPU tensor would."""
+    for a, t, h in zip(info.args, values, host_values):
+        if not a.mutable:
+            continue
+        for x, y in zip(t if isinstance(t, (list, tuple)) else (t,), h if isinstance(h, (list, tuple)) else (h,)):
+            if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or x.device.type != DEVICE or \
+                    not x.numel():
+                continue
+            geometry = (tuple(y.shape), y.stride(), y.storage_offset())
+            if geometry != (tuple(x.shape), x.stride(), x.storage_offset()):
+                x.set_(x.untyped_storage(), geometry[2], geometry[0], geometry[1])
