@@ -298,12 +298,19 @@ def shared_views(values: tuple[Any, ...], host_values: tuple[Any, ...], copies: 
     `copies`: over a copy of each storage (one CPU may grow: an out= resized past its storage's end)."""
     bases: dict[int, torch.Tensor] = {}
     empties: dict[int, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}  # one view per neuron tensor: CPU's kernels test `is_same` too
 
     def view(t: Any, h: Any) -> Any:
         if isinstance(t, (list, tuple)):
             return type(h)(view(x, y) for x, y in zip(t, h))
         if not isinstance(t, torch.Tensor) or t.device.type != DEVICE:
             return h
+        v = made.get(id(t))
+        if v is None:
+            v = made[id(t)] = make(t, h)
+        return v
+
+    def make(t: torch.Tensor, h: Any) -> Any:
         if t.numel() == 0:  # one CPU tensor per neuron tensor (`cat((x, y), out=x)`), resizable
             return empties.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype))
         st = t.untyped_storage()
@@ -324,13 +331,18 @@ def shared_views(values: tuple[Any, ...], host_values: tuple[Any, ...], copies: 
 def adopt_geometry(info: OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...]) -> None:
     """After CPU's kernel ran on `shared_views`: a written tensor whose view CPU gave other sizes or strides
     within its storage (an out= of another shape resized in place, then squeezed: `linear(x1d, w, out=o)`)
-    takes them too, as the CPU tensor would."""
+    takes them too, as the CPU tensor would; an empty one CPU filled (its own CPU tensor: `info` of
+    `linalg_cholesky_ex.L`) takes its values."""
     for a, t, h in zip(info.args, values, host_values):
         if not a.mutable:
             continue
         for x, y in zip(t if isinstance(t, (list, tuple)) else (t,), h if isinstance(h, (list, tuple)) else (h,)):
-            if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or x.device.type != DEVICE or \
-                    not x.numel():
+            if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or x.device.type != DEVICE:
+                continue
+            if not x.numel():
+                if y.numel():
+                    x.resize_(y.shape)
+                    x.copy_(y)
                 continue
             geometry = (tuple(y.shape), y.stride(), y.storage_offset())
             if geometry != (tuple(x.shape), x.stride(), x.storage_offset()):
