@@ -224,6 +224,34 @@ def full_overlap_ok(info: OpInfo) -> bool:
     return torch.Tag.pointwise in info.op.tags
 
 
+def may_overlap(info: OpInfo) -> Any:
+    """A cheap test per call, for kernels that run every call on the host (`_generic`'s host kernel):
+    `test(values)` is False only where `overlapping(info, values)` is False (no written tensor meets a read
+    one or has a zero stride); True means: ask `overlapping`."""
+    kinds = [(a.mutable, a.kwarg_only, a.kind in TENSOR_KINDS) for a in info.args]
+    written = [i for i, (m, _, _) in enumerate(kinds) if m]
+    read = [i for i, (m, _, t) in enumerate(kinds) if not m and t]
+
+    def test(values: Any) -> bool:
+        for i in written:
+            w = values[i]
+            if not isinstance(w, torch.Tensor):
+                return w is not None  # (a list: `overlapping` decides)
+            if 0 in w.stride():
+                return True
+            meet = spans_touch if kinds[i][1] else spans_meet_full
+            for j in read:
+                r = values[j]
+                if isinstance(r, torch.Tensor):
+                    if meet(w, r):
+                        return True
+                elif isinstance(r, (list, tuple)):
+                    return True  # (a list: `overlapping` decides)
+        return False
+
+    return test
+
+
 def _written(info: OpInfo, values: tuple[Any, ...], out: bool) -> list[torch.Tensor]:
     """The tensors the op writes: its out= ones if `out`, else the in-place ones."""
     ws = [v for a, v in zip(info.args, values) if a.mutable and a.kwarg_only == out]
