@@ -220,8 +220,9 @@ def _cpu_judges(a: torch.Tensor, b: Any, full: bool) -> bool:
 def full_overlap_ok(info: OpInfo) -> bool:
     """Whether a write may read the very same elements as an executable computes them: a pointwise op
     reads each element before it writes it (`x.mul_(x)`); others (`x.index_copy_(0, i, x)`, which CPU
-    refuses, `m.addmm_(m, n)`, which CPU computes through the memory it writes) CPU judges."""
-    return torch.Tag.pointwise in info.op.tags
+    refuses, `m.addmm_(m, n)`, which CPU computes through the memory it writes) CPU judges. The foreach
+    ops are pointwise tensor by tensor (`_foreach_addcdiv_(xs, xs, ...)`), though untagged."""
+    return torch.Tag.pointwise in info.op.tags or info.qualname.startswith("aten::_foreach_")
 
 
 def may_overlap(info: OpInfo) -> Any:
