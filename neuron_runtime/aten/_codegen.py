@@ -22,7 +22,7 @@ from ..signatures import LIST_KINDS, OPT_TENSOR, OPT_TENSORS, OpInfo, SCALAR, SC
 from . import _fusion
 from ._host import NUMBERS, _alias_get, alias, alias_mutated, alias_slow, copy_back_all, copy_back_out, wrap
 from ._runtime import FAST, kernel_table, runtime
-from ._writes import spans_meet, spans_meet_lists, spans_touch
+from ._writes import full_overlap_ok, spans_meet, spans_meet_full, spans_meet_lists, spans_touch
 
 #: The globals every generated kernel shares; each kernel adds its own (`_zDF`, `_zEG`, `_zEXES`, `_zINFO`).
 _SCOPE: dict[str, Any] = {
@@ -31,7 +31,7 @@ _SCOPE: dict[str, Any] = {
     "_zCB": copy_back_out, "_zCBA": copy_back_all, "_zNUM": NUMBERS, "_zFC": torch._foreach_copy_,
     "_zPENDING": _fusion.PENDING, "_zFLUSH": _fusion.flush, "_zSUBMIT": _fusion.submit,
     "_zQUEUES": _fusion.queues, "_zOUTMETA": _fusion.outmeta, "_zIV": torch._C._increment_version,
-    "_zOV": spans_meet, "_zOVL": spans_meet_lists, "_zOVO": spans_touch,
+    "_zOV": spans_meet, "_zOVF": spans_meet_full, "_zOVL": spans_meet_lists, "_zOVO": spans_touch,
 }
 
 
@@ -247,26 +247,31 @@ def _lookup_lines(parts: _Parts, sig: str, can_queue: bool) -> list[str]:
 
 
 def _overlap_test(info: OpInfo) -> str:
-    """The generated kernel's test whether the argument an op writes may overlap one it reads
-    (`_writes.spans_meet`), or "" for an op that writes nothing or reads no tensor. Ops that write
-    several arguments (fused optimizers) are left to their kernels, as on CPU."""
-    if info.kind != "mutating" or len(info.mutable) != 1:
+    """The generated kernel's test whether an argument an op writes may overlap one it reads
+    (`_writes.spans_meet`), or "" for an op that writes nothing or reads no tensor. Ops that write several
+    arguments in place (fused optimizers) are left to their kernels, as on CPU; several out= tensors
+    (`sort.values`) are each tested."""
+    if info.kind != "mutating" or not info.mutable:
         return ""
     by_name = {a.name: a for a in info.args}
-    w = by_name[info.mutable[0]]
-    one = "_zOVO" if w.kwarg_only else "_zOV"  # an out= tensor: the very same tensor as an input counts too
+    written = [by_name[m] for m in info.mutable]
+    if len(written) > 1 and not all(w.kwarg_only and w.kind == TENSOR for w in written):
+        return ""
     tests = []
-    for a in info.args:
-        if a.mutable or a.kind not in (TENSOR, OPT_TENSOR, TENSORS):
-            continue
-        if w.kind == TENSORS and a.kind == TENSORS:
-            tests.append(f"_zOVL({w.name}, {a.name})")
-        elif w.kind == TENSORS:
-            tests.append(f"any({one}(_zt, {a.name}) for _zt in {w.name})")
-        elif a.kind == TENSORS:
-            tests.append(f"any({one}({w.name}, _zt) for _zt in {a.name})")
-        else:
-            tests.append(f"{one}({w.name}, {a.name})")
+    for w in written:
+        # An out= tensor, or one a non-pointwise op writes in place: the very same tensor as an input counts.
+        one = "_zOVO" if w.kwarg_only else "_zOV" if full_overlap_ok(info) else "_zOVF"
+        for a in info.args:
+            if a.mutable or a.kind not in (TENSOR, OPT_TENSOR, TENSORS):
+                continue
+            if w.kind == TENSORS and a.kind == TENSORS:
+                tests.append(f"_zOVL({w.name}, {a.name})")
+            elif w.kind == TENSORS:
+                tests.append(f"any({one}(_zt, {a.name}) for _zt in {w.name})")
+            elif a.kind == TENSORS:
+                tests.append(f"any({one}({w.name}, _zt) for _zt in {a.name})")
+            else:
+                tests.append(f"{one}({w.name}, {a.name})")
     return " or ".join(tests)
 
 

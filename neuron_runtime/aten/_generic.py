@@ -15,6 +15,7 @@ from ..signatures import OpInfo, classify
 from . import _codegen
 from ._host import DEVICE, to_host
 from ._runtime import runtime
+from ._writes import may_overlap, overlapping, shared_views
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _generic: dict[str, Callable[..., Any]] = {}
@@ -45,6 +46,7 @@ def _view_kernel(info: OpInfo) -> Callable[..., Any]:
 def _host_kernel(info: OpInfo) -> Callable[..., Any]:
     names = [a.name for a in info.args]
     defaults = [a.default if a.has_default else None for a in info.args]
+    writes = may_overlap(info) if any(a.mutable for a in info.args) else None
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         values = list(args) + [kwargs.get(n, d) for n, d in zip(names[len(args):], defaults[len(args):])]
@@ -54,6 +56,8 @@ def _host_kernel(info: OpInfo) -> Callable[..., Any]:
         rt = runtime()
         rt.host_ops.add(info.qualname)
         host_values = tuple(to_host(v) for v in values)
+        if writes is not None and writes(values) and overlapping(info, values):  # CPU's rules on views sharing memory as these tensors do
+            return rt.host_shared(info, tuple(values), shared_views(values, host_values))
         return rt.host_or_widen(info, None, tuple(values), host_values)[0]
 
     return kernel

@@ -29,7 +29,7 @@ from ..signatures import OPT_TENSORS, OpInfo, SignatureError, TENSOR, build_sign
 from . import _fusion, _widen
 from ._host import (DEVICE, NUMBERS, copy_back, copy_back_out, flatten, mutated_views, regroup, rewrap, to_host,
                     wrap)
-from ._writes import check_mutated, overlapping, shared_views
+from ._writes import adopt_geometry, check_mutated, overlapping, shared_views
 
 log = logging.getLogger(__name__)
 
@@ -184,12 +184,13 @@ class Runtime:
         f = info if inplace else info.functional or info
         fvalues = values if f is info else info.functional_values(values)
         host_values = tuple(to_host(v, strict=a.kind != OPT_TENSORS) for a, v in zip(info.args, values))
-        if other_out:  # out= of another dtype: the CPU out= kernel applies PyTorch's rules for it
-            return self.host_or_widen(info, key, values, host_values)[0]
         if info.mutable and overlapping(info, values):
             # A write that partially overlaps an input: CPU's kernel on views sharing one storage decides
-            # (its "unsupported operation" error, or a run with the aliasing as on CPU).
+            # (its "unsupported operation" error, or a run with the aliasing as on CPU), out= of another
+            # dtype included.
             return self.host_shared(info, values, shared_views(values, host_values))
+        if other_out:  # out= of another dtype: the CPU out= kernel applies PyTorch's rules for it
+            return self.host_or_widen(info, key, values, host_values)[0]
         if (info.qualname, key) in self.fallback_keys:
             return self.host_or_widen(info, key, values, host_values, fallback=True)[0]
         # Background mode: a key whose executable is being compiled runs on the host meanwhile.
@@ -330,6 +331,7 @@ class Runtime:
             copy_args, copy_kwargs = info.call_args(shared_views(values, plain, copies=True))
             op(*copy_args, **copy_kwargs)
             return self.host_call(info, values, plain)
+        adopt_geometry(info, values, host_values)
         with self.lock:
             self.counts["host_ops"] += 1
         return rewrap(out, values, host_values, to_cpu_result=_wants_cpu(info, values))

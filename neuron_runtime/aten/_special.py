@@ -10,6 +10,7 @@ import torch
 from . import _generic
 from ._host import DEVICE, alias, forget, wrap
 from ._generic import check_device
+from ._writes import assert_no_partial_overlap
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
@@ -33,6 +34,12 @@ def empty_strided(size: list[int], stride: list[int], *, dtype: Any = None, layo
 
 
 def copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """`dst.copy_(self)` (PyTorch's `copy_` reaches it once the tensors are not the very same elements).
+    The CPU views copied between have storages of their own, so CPU's copy cannot see that the tensors
+    share memory: the overlap is judged here on the tensors themselves, as CPU's copy judges it (only
+    neuron tensors share neuron memory; a copy from another device may have no data pointer to compare)."""
+    if self.device.type == DEVICE and dst.device.type == DEVICE:
+        assert_no_partial_overlap(dst, self)
     _host(dst).copy_(_host(self))
     return dst
 
@@ -40,6 +47,8 @@ def copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
 def copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     if dst.shape != self.shape:
         dst.resize_(self.shape)
+    if self.device.type == DEVICE and dst.device.type == DEVICE:
+        assert_no_partial_overlap(dst, self)
     _host(dst).copy_(_host(self))
     return dst
 
@@ -55,8 +64,12 @@ def _contiguous_strides(size: list[int], memory_format: Any) -> list[int]:
 
 
 def resize_(self: torch.Tensor, size: list[int], *, memory_format: Any = None) -> torch.Tensor:
-    """Resize in place; grow through a new host buffer (neuron storages are not reallocatable)."""
+    """Resize in place; grow through a new host buffer (neuron storages are not reallocatable). The same
+    sizes and no memory format change nothing, as on CPU (an expanded `out=` keeps its strides, so the
+    op's own checks still see that its elements share memory)."""
     size = list(size)
+    if memory_format is None and size == list(self.shape):
+        return self
     strides = _contiguous_strides(size, memory_format)
     numel = 1
     for s in size:

@@ -18,6 +18,7 @@ import ctypes
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense
 from torch.utils._pytree import tree_leaves
 
 from ..signatures import TENSOR_KINDS, OpInfo
@@ -162,23 +163,94 @@ def spans_touch(a: torch.Tensor, b: Any) -> bool:
     return bool(pb < st.data_ptr() + st.nbytes())
 
 
+def spans_meet_full(a: torch.Tensor, b: Any) -> bool:
+    """`spans_meet`, `a` itself included: the hit path's test for an op that is not pointwise, which may
+    not compute as CPU does when it reads the very tensor it writes (`m.addmm_(m, n)`; `full_overlap_ok`)."""
+    return a is b or spans_meet(a, b)
+
+
 def spans_meet_lists(a: list[torch.Tensor], b: list[Any]) -> bool:
     """`spans_meet` element by element (two lists of one length, as CPU's foreach ops check them)."""
     return len(a) == len(b) and any(spans_meet(x, y) for x, y in zip(a, b))
 
 
-def _partial(a: torch.Tensor, b: Any) -> bool:
-    """CPU's rule: `a` and `b` cover some of the same bytes, and are not the very same elements (equal
-    spans and strides). Tensors that are not dense CPU does not judge (too hard): not partial."""
-    if not isinstance(b, torch.Tensor) or not spans_meet(a, b) or a.numel() == 0 or b.numel() == 0:
-        return False
-    from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+#: CPU's message for a write that partially overlaps a read (`at::assert_no_partial_overlap`).
+PARTIAL_OVERLAP = ("unsupported operation: some elements of the input tensor and the written-to tensor refer to a "
+                   "single memory location. Please clone() the tensor before performing the operation.")
 
-    if not (is_non_overlapping_and_dense(a) and is_non_overlapping_and_dense(b)):
+# `overlap`'s answers: PyTorch's `at::MemOverlapStatus`.
+NO, FULL, PARTIAL, TOO_HARD = "no", "full", "partial", "too_hard"
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> str:
+    """PyTorch's `at::get_overlap_status(a, b)`, judged on the memory the tensors cover: FULL for the very
+    same elements (same span and strides), PARTIAL for dense tensors whose spans meet otherwise, TOO_HARD
+    for a non-dense one CPU does not judge, else NO. Memory rather than storage identity: the neuron
+    tensors' CPU views each have a storage of their own, and two storages never share memory on CPU."""
+    if a is b:
+        return FULL
+    if a.numel() == 0 or b.numel() == 0:
+        return NO
+    if not (_dense(a) and _dense(b)):
+        return TOO_HARD
+    pa, pb, na, nb = a.data_ptr(), b.data_ptr(), a.nbytes, b.nbytes
+    if pa == pb and na == nb:
+        return FULL if a.stride() == b.stride() else PARTIAL
+    return PARTIAL if pa < pb + nb and pb < pa + na else NO
+
+
+def assert_no_partial_overlap(written: torch.Tensor, read: torch.Tensor) -> None:
+    """CPU's check before `written` is written from `read` (TensorIterator's, `copy_`'s): cheap when the
+    tensors' bytes do not meet (two pointer comparisons)."""
+    if spans_meet(written, read) and overlap(written, read) == PARTIAL:
+        raise RuntimeError(PARTIAL_OVERLAP)
+
+
+def _cpu_judges(a: torch.Tensor, b: Any, full: bool) -> bool:
+    """Whether CPU's kernel must judge a write into `a` that reads `b`: their bytes meet and they are not
+    the very same elements (`full`: or they are). A partial overlap CPU refuses; non-dense tensors CPU does
+    not judge (too hard) but runs on the shared memory, in its own order, which an executable computing as
+    if its inputs were copies would not reproduce."""
+    if not isinstance(b, torch.Tensor) or not (a is b or spans_meet(a, b)):
         return False
-    if a.data_ptr() == b.data_ptr() and a.nbytes == b.nbytes:
-        return a.stride() != b.stride()
-    return True
+    o = overlap(a, b)
+    return o == PARTIAL or o == TOO_HARD or (full and o == FULL)
+
+
+def full_overlap_ok(info: OpInfo) -> bool:
+    """Whether a write may read the very same elements as an executable computes them: a pointwise op
+    reads each element before it writes it (`x.mul_(x)`); others (`x.index_copy_(0, i, x)`, which CPU
+    refuses, `m.addmm_(m, n)`, which CPU computes through the memory it writes) CPU judges. The foreach
+    ops are pointwise tensor by tensor (`_foreach_addcdiv_(xs, xs, ...)`), though untagged."""
+    return torch.Tag.pointwise in info.op.tags or info.qualname.startswith("aten::_foreach_")
+
+
+def may_overlap(info: OpInfo) -> Any:
+    """A cheap test per call, for kernels that run every call on the host (`_generic`'s host kernel):
+    `test(values)` is False only where `overlapping(info, values)` is False (no written tensor meets a read
+    one or has a zero stride); True means: ask `overlapping`."""
+    kinds = [(a.mutable, a.kwarg_only, a.kind in TENSOR_KINDS) for a in info.args]
+    written = [i for i, (m, _, _) in enumerate(kinds) if m]
+    read = [i for i, (m, _, t) in enumerate(kinds) if not m and t]
+
+    def test(values: Any) -> bool:
+        for i in written:
+            w = values[i]
+            if not isinstance(w, torch.Tensor):
+                return w is not None  # (a list: `overlapping` decides)
+            if 0 in w.stride():
+                return True
+            meet = spans_touch if kinds[i][1] else spans_meet_full
+            for j in read:
+                r = values[j]
+                if isinstance(r, torch.Tensor):
+                    if meet(w, r):
+                        return True
+                elif isinstance(r, (list, tuple)):
+                    return True  # (a list: `overlapping` decides)
+        return False
+
+    return test
 
 
 def _written(info: OpInfo, values: tuple[Any, ...], out: bool) -> list[torch.Tensor]:
@@ -210,15 +282,20 @@ def _pairs(info: OpInfo, values: tuple[Any, ...], out: bool) -> list[tuple[torch
 
 def overlapping(info: OpInfo, values: tuple[Any, ...]) -> bool:
     """Whether CPU's kernel should judge this call's aliasing: a tensor it writes in place partially
-    overlaps one it reads (TensorIterator's rule: `_partial`), or an out= tensor shares any memory with an
-    input, as it is or once resized to the result's shape (the op's own rule then decides: elementwise ops
-    allow the very same elements, `gather` and the like refuse any overlap)."""
-    if any(_partial(x, y) for x, y in _pairs(info, values, out=False)):
+    overlaps one it reads, or meets it where CPU cannot tell, or reads the very same elements in an op
+    that is not pointwise (`_cpu_judges`), or has elements that share memory; or an out= tensor shares any memory with an input, as it is or once resized to the result's
+    shape (the op's own rule then decides: elementwise ops allow the very same elements, `gather` and the
+    like refuse any overlap)."""
+    full = not full_overlap_ok(info)
+    if any(_cpu_judges(x, y, full) for x, y in _pairs(info, values, out=False)):
         return True
-    grown: dict[int, int] | None = None
-    for x in _written(info, values, out=True):
-        if torch._debug_has_internal_overlap(x) == 1:  # CPU: "more than one element of the written-to..."
+    for x in _written(info, values, out=False) + _written(info, values, out=True):
+        # Elements of the written tensor that share memory (an expanded one): TensorIterator refuses it
+        # ("more than one element of the written-to ..."), other kernels write through it. Always so for
+        # the key (sizes and strides decide it), so such a key never reaches the hit path.
+        if torch._debug_has_internal_overlap(x) == 1:
             return True
+    grown: dict[int, int] | None = None
     for x, y in _pairs(info, values, out=True):
         if x is y:  # (empty ones too: CPU refuses `cat((x, y), out=x)` for an empty x)
             return True
@@ -250,12 +327,19 @@ def shared_views(values: tuple[Any, ...], host_values: tuple[Any, ...], copies: 
     `copies`: over a copy of each storage (one CPU may grow: an out= resized past its storage's end)."""
     bases: dict[int, torch.Tensor] = {}
     empties: dict[int, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}  # one view per neuron tensor: CPU's kernels test `is_same` too
 
     def view(t: Any, h: Any) -> Any:
         if isinstance(t, (list, tuple)):
             return type(h)(view(x, y) for x, y in zip(t, h))
         if not isinstance(t, torch.Tensor) or t.device.type != DEVICE:
             return h
+        v = made.get(id(t))
+        if v is None:
+            v = made[id(t)] = make(t, h)
+        return v
+
+    def make(t: torch.Tensor, h: Any) -> Any:
         if t.numel() == 0:  # one CPU tensor per neuron tensor (`cat((x, y), out=x)`), resizable
             return empties.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype))
         st = t.untyped_storage()
@@ -271,3 +355,24 @@ def shared_views(values: tuple[Any, ...], host_values: tuple[Any, ...], copies: 
         return base.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
     return tuple(view(t, h) for t, h in zip(values, host_values))
+
+
+def adopt_geometry(info: OpInfo, values: tuple[Any, ...], host_values: tuple[Any, ...]) -> None:
+    """After CPU's kernel ran on `shared_views`: a written tensor whose view CPU gave other sizes or strides
+    within its storage (an out= of another shape resized in place, then squeezed: `linear(x1d, w, out=o)`)
+    takes them too, as the CPU tensor would; an empty one CPU filled (its own CPU tensor: `info` of
+    `linalg_cholesky_ex.L`) takes its values."""
+    for a, t, h in zip(info.args, values, host_values):
+        if not a.mutable:
+            continue
+        for x, y in zip(t if isinstance(t, (list, tuple)) else (t,), h if isinstance(h, (list, tuple)) else (h,)):
+            if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or x.device.type != DEVICE:
+                continue
+            if not x.numel():
+                if y.numel():
+                    x.resize_(y.shape)
+                    x.copy_(y)
+                continue
+            geometry = (tuple(y.shape), y.stride(), y.storage_offset())
+            if geometry != (tuple(x.shape), x.stride(), x.storage_offset()):
+                x.set_(x.untyped_storage(), geometry[2], geometry[0], geometry[1])
