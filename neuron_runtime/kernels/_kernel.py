@@ -77,6 +77,7 @@ class Kernel:
                 raise KernelError(f"kernel {name}: argument {a.name} is a list of tensors; pass the tensors "
                                   "one by one (a kernel's tensors are its executable's inputs)")
         self.launches: dict[tuple[Any, ...], _Launch] = {}
+        self.runtime: Any = None  # the runtime `launches` were made with
         self.lock = threading.Lock()
         self.op.register_fake(self._traceable(fn))
         self.op.register_kernel(_DEVICE, self._neuron)
@@ -101,6 +102,10 @@ class Kernel:
     def _neuron(self, *args: Any) -> Any:
         """The neuron implementation: the executable of this call's graph (traced on first sight of its
         shapes, dtypes, strides and constant arguments)."""
+        rt = runtime()
+        if rt is not self.runtime:  # `neuron_runtime.reset()`: another compiler, cache and counters
+            with self.lock:
+                self.launches, self.runtime = {}, rt
         key = _call_key(args)
         launch = self.launches.get(key)
         if launch is None:
@@ -108,7 +113,7 @@ class Kernel:
                 launch = self.launches.get(key)
                 if launch is None:
                     launch = self.launches[key] = _Launch(self, args)
-        return launch(args)
+        return launch(args, rt)
 
     def _traceable(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` with errors raised in it turned into a KernelError naming this kernel and the line."""
@@ -179,7 +184,7 @@ def _backward_kernel(k: Kernel, schema: Any) -> Kernel:
     bk.name, bk.fn, bk.mutates, bk.op = name, vjp, False, op
     ns, short = name.split("::", 1)
     bk.overload = getattr(getattr(torch.ops, ns), short).default
-    bk.launches, bk.lock, bk.backward = {}, threading.Lock(), None
+    bk.launches, bk.runtime, bk.lock, bk.backward = {}, None, threading.Lock(), None
     op.register_fake(lambda grads, *a: [torch.empty_like(x) for x in a if _differentiable(x)])
     op.register_kernel(_DEVICE, bk._neuron)
     # In a torch.compile graph: the VJP's aten graph, traced apart (autograd cannot run inside the
@@ -277,12 +282,11 @@ class _Launch:
         self.checked = False
         self.lists = bool(self.list_at)
 
-    def __call__(self, args: Sequence[Any]) -> Any:
+    def __call__(self, args: Sequence[Any], rt: Any) -> Any:
         tensors = self.flat(args)
         check = not self.checked and self.graph.exe is not None
         host = [alias(t).clone() for t in tensors] if check else None
         out = self.graph(list(tensors))
-        rt = runtime()
         with rt.lock:
             rt.counts["executions"] += 1
         if check:
