@@ -23,5 +23,7 @@ def __getattr__(name: str) -> Any:
     if name in _LIBRARY:
         from . import _library
 
-        return getattr(_library, name)
+        value = getattr(_library, name)
+        globals()[name] = value  # found directly from now on
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,6 @@ whose executable differs from its own body is refused (`KernelError`) before its
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import traceback
@@ -80,14 +79,24 @@ class Kernel:
         self.runtime: Any = None  # the runtime `launches` were made with
         self.lock = threading.Lock()
         self.op.register_fake(self._traceable(fn))
-        self.op.register_kernel(_DEVICE, self._neuron)
+        _register_neuron(self.op, self._neuron)
         decompose(self.overload, fn)
         self.backward: Kernel | None = None
+        # `_Direct` (an autograd.Function) returns a tensor or a tuple of them, not a list.
+        self.direct = not self.mutates and str(schema.returns[0].type) != "List[Tensor]" if schema.returns else False
         if not self.mutates:
             self.backward = _backward_kernel(self, schema)
             self.op.register_autograd(self._grad, setup_context=self._save)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The operator. A plain eager call on neuron tensors (no tracing, no mode, no profiler, no
+        keyword arguments) goes straight to the executable through `_Direct`: the same launch and
+        backward as the dispatcher's route, without torch.library's Python layers around it."""
+        how = _plain(args) if not kwargs and self.direct else 0
+        if how == 1:
+            return self._neuron(*args)
+        if how == 2:
+            return _Direct.apply(self, *args)
         return self.op(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -96,6 +105,7 @@ class Kernel:
     def register_autograd(self, backward: Callable[..., Any], *,
                           setup_context: Callable[..., Any] | None = None) -> None:
         """A backward of the user's own (torch.library's contract), instead of the body's VJP."""
+        self.direct = False  # the user's backward is registered with the operator only
         self.op.register_autograd(backward, setup_context=setup_context)
 
     # -- neuron -----------------------------------------------------------------------------------
@@ -135,18 +145,64 @@ class Kernel:
         ctx.others = [None if i in tensors else a for i, a in enumerate(inputs)]
         ctx.save_for_backward(*(inputs[i] for i in tensors))
 
-    def _grad(self, ctx: Any, *grads: Any) -> tuple[Any, ...]:
+    def _grad(self, ctx: Any, *grads: Any, direct: bool = False) -> tuple[Any, ...]:
         assert self.backward is not None
         args = list(ctx.others)
         for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
             args[i] = t
         grads_in = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                     for g, (shape, dtype, device) in zip(grads, ctx.out_meta)]
-        got = list(self.backward(grads_in, *args))
+        got = list(self.backward._neuron(grads_in, *args) if direct and _plain(grads_in)
+                   else self.backward(grads_in, *args))
         result: list[Any] = []
         for a in args:
             result.append(got.pop(0) if _differentiable(a) else None)
         return tuple(result)
+
+
+_Tensor = torch.Tensor
+_profiler = torch.autograd.profiler  # its `_is_profiler_enabled` flag is read at each call
+_compiling = torch.compiler.is_compiling
+_function_mode = torch._C._is_torch_function_mode_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _plain(args: Sequence[Any]) -> int:
+    """Whether a call may skip the dispatcher: 0 if not; else 1, or 2 when autograd must record it. It
+    may when some argument is a plain neuron tensor, every tensor is one, and nothing watches or
+    transforms the call (Dynamo, a dispatch or function mode, the profiler's op ranges; autocast casts
+    nothing at a custom op)."""
+    plain = 0
+    for a in args:
+        if isinstance(a, _Tensor):
+            if type(a) is not _Tensor or not a.is_neuron:
+                return 0
+            plain = 2 if plain == 2 or a.requires_grad else 1
+    if not plain or _profiler._is_profiler_enabled or _compiling() or _function_mode() or _dispatch_modes():
+        return 0
+    return plain if plain == 1 or torch.is_grad_enabled() else 1
+
+
+class _Direct(torch.autograd.Function):
+    """A kernel's eager call on neuron: forward and backward are the kernel's and its VJP's launches."""
+
+    @staticmethod
+    def forward(ctx: Any, k: Kernel, *args: Any) -> Any:
+        out = k._neuron(*args)
+        k._save(ctx, args, out)
+        ctx.kernel = k
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return (None, *ctx.kernel._grad(ctx, *grads, direct=True))
+
+
+def _register_neuron(op: Any, impl: Callable[..., Any]) -> None:
+    """`impl` as the op's PrivateUse1 kernel. Registered on the custom op's own library, directly:
+    `CustomOpDef.register_kernel` wraps a kernel in a Python checker and a Dynamo-disabling wrapper,
+    which cost more than the executable's run on every call."""
+    op._lib.impl(op._name, impl, "PrivateUse1")
 
 
 def _differentiable(a: Any) -> bool:
@@ -184,13 +240,14 @@ def _backward_kernel(k: Kernel, schema: Any) -> Kernel:
     bk.name, bk.fn, bk.mutates, bk.op = name, vjp, False, op
     ns, short = name.split("::", 1)
     bk.overload = getattr(getattr(torch.ops, ns), short).default
-    bk.launches, bk.runtime, bk.lock, bk.backward = {}, None, threading.Lock(), None
+    bk.launches, bk.runtime, bk.lock, bk.backward, bk.direct = {}, None, threading.Lock(), None, False
     op.register_fake(lambda grads, *a: [torch.empty_like(x) for x in a if _differentiable(x)])
-    op.register_kernel(_DEVICE, bk._neuron)
+    _register_neuron(op, bk._neuron)
     # In a torch.compile graph: the VJP's aten graph, traced apart (autograd cannot run inside the
     # graph's own trace) and called on the graph's tensors, which writes its ops into the graph.
     decompose(bk.overload, lambda grads, *a: _trace(bk, [list(grads), *a])(*grads, *_tensors(a)))
     return bk
+
 
 
 def _tensors(args: Iterable[Any]) -> list[torch.Tensor]:
@@ -202,17 +259,13 @@ def _call_key(args: Sequence[Any]) -> tuple[Any, ...]:
     argument by type and value (it is a constant of the traced graph)."""
     out: list[Any] = []
     for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append((a.dtype, tuple(a.shape), a.stride(), a.device.type))
+        if isinstance(a, torch.Tensor):  # (only neuron tensors reach here)
+            out.append((a.dtype, a.shape, a.stride()))
         elif isinstance(a, (list, tuple)):
             out.append((type(a).__name__, _call_key(a)))
         else:
             out.append((type(a).__name__, a))
     return tuple(out)
-
-
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 def _trace(k: Kernel, args: Sequence[Any]) -> torch.fx.GraphModule:
@@ -242,12 +295,24 @@ def _trace(k: Kernel, args: Sequence[Any]) -> torch.fx.GraphModule:
 
 
 def _clean(work: Callable[[], Any]) -> Any:
-    """`work()` on the kernels' own thread: no dispatch keys excluded, no modes, grad mode on."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="neuron-kernel-trace")
-    return _pool.submit(work).result()
+    """`work()` on a thread of its own: no dispatch keys excluded, no modes, grad mode on. A fresh thread
+    each time (once per key, and per backward off neuron): a trace may start another from inside itself,
+    or from the autograd engine's thread, which a shared worker would deadlock on."""
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            error.append(e)
+
+    t = threading.Thread(target=run, name="neuron-kernel-trace", daemon=True)
+    t.start()
+    t.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def _describe(a: Any) -> Any:
@@ -281,14 +346,17 @@ class _Launch:
         self.graph = CompiledGraph(gm, f"kernel:{k.name}")
         self.checked = False
         self.lists = bool(self.list_at)
+        self.returns = _returns_tuple(k)
 
     def __call__(self, args: Sequence[Any], rt: Any) -> Any:
         tensors = self.flat(args)
         check = not self.checked and self.graph.exe is not None
         host = [alias(t).clone() for t in tensors] if check else None
-        out = self.graph(list(tensors))
-        with rt.lock:
-            rt.counts["executions"] += 1
+        graph = self.graph
+        out = graph(list(tensors))
+        if graph.exe is not None and graph.refused is None:  # else its ops ran (and counted) one by one
+            with rt.lock:
+                rt.counts["executions"] += 1
         if check:
             self._check(args, host, out)
         return self.result(out)
@@ -299,7 +367,7 @@ class _Launch:
         return [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
 
     def result(self, out: list[Any]) -> Any:
-        kind = _returns_tuple(self.k)
+        kind = self.returns
         if kind == "list":
             return list(out)
         return tuple(out) if kind else out[0]

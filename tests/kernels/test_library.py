@@ -81,14 +81,14 @@ def test_use_in_llama_same_loss_and_gradients_fewer_launches(fresh_runtime: _run
     assert kernels.use_in_llama(fused) == {"rms_norm": 3, "swiglu": 1, "rotary": 1}
     ids = torch.randint(0, 128, (2, 32)).to(DEV)
     launches, losses = [], []
-    for m in (plain, fused, plain, fused):  # the second round: every executable compiled, launches only
+    for m in (plain, fused):  # sync mode: a compile's first run counts as one execution, as a hit does
         before = neuron_runtime.stats()["executions"]
         loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
         launches.append(neuron_runtime.stats()["executions"] - before)
         losses.append(loss.item())
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
-    assert launches[3] < launches[2] - 20, launches
+    assert launches[1] < launches[0] - 20, launches
     for p, f in zip(plain.parameters(), fused.parameters()):
         torch.testing.assert_close(f.grad.cpu(), p.grad.cpu(), atol=1e-5, rtol=1e-4)
     assert plain.state_dict().keys() == fused.state_dict().keys()
