@@ -60,6 +60,11 @@ def test_swiglu_equals_cpu_with_one_launch_forward_and_one_backward(fresh_runtim
         grads = torch.autograd.grad(out, [gn, un], god)
         assert _executions() - before == 1  # the backward is one kernel too (the body's VJP)
     assert out.device.type == DEV
+    before = _executions()  # through the dispatcher (torch.ops), as a plain call skips it
+    via_op = torch.ops.mylib.swiglu(gn, un)
+    torch.autograd.grad(via_op, [gn, un], god)
+    assert _executions() - before == 2
+    torch.testing.assert_close(via_op.cpu(), want.detach())
     torch.testing.assert_close(out.cpu(), want.detach())
     for got, w in zip(grads, want_grads):
         torch.testing.assert_close(got.cpu(), w)
