@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..aten import alias, runtime
+from ..aten import alias, flush_fusion, runtime
 from ..graphs import CompiledGraph, decompose
 
 log = logging.getLogger(__name__)
@@ -347,9 +347,11 @@ class _Launch:
         self.checked = False
         self.lists = bool(self.list_at)
         self.returns = _returns_tuple(k)
+        self.boundary = f"kernel:{k.name}"  # a fusion region ends at a kernel (TORCH_NEURONX_ENABLE_CONCATENATION)
 
     def __call__(self, args: Sequence[Any], rt: Any) -> Any:
         tensors = self.flat(args)
+        flush_fusion(self.boundary)  # the executable reads its inputs' memory: queued ops run first
         check = not self.checked and self.graph.exe is not None
         host = [alias(t).clone() for t in tensors] if check else None
         graph = self.graph

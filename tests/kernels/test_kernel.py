@@ -190,3 +190,4 @@ def test_a_second_process_computes_it_with_zero_compiles(fresh_runtime: _runtime
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got == {"compiles": 0, "executions": 1}
+
