@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fallback_ops", "reset", "stats", "wait_for_compiles", "__version__"]
+__all__ = ["fallback_ops", "kernel", "kernels", "reset", "stats", "wait_for_compiles", "__version__"]
 from ._version import __version__
 
 _loaded = False
@@ -99,6 +99,23 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     from .aten import runtime
 
     return runtime().resolver.wait(timeout)
+
+
+def kernel(name: str, *, mutates_args: Any = ()) -> Any:
+    """Decorate a typed function of torch ops: it becomes the operator `torch.ops.<ns>.<name>`, one
+    cached executable per call on neuron (docs/kernels.md; `neuron_runtime.kernels.kernel`)."""
+    from .kernels import kernel as make
+
+    return make(name, mutates_args=mutates_args)
+
+
+def __getattr__(name: str) -> Any:
+    """`neuron_runtime.kernels` (the kernel library) is imported on first use, not at `import torch`."""
+    if name == "kernels":
+        import importlib
+
+        return importlib.import_module(".kernels", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def reset() -> None:

@@ -28,6 +28,7 @@ RANKS = {
     "graphs": 6,
     "distributed": 6,
     "device": 7,
+    "kernels": 7,         # custom kernels as operators: a kernel's executable is a graphs.CompiledGraph
     # Faces: the package itself, its CLIs and tools; they may import anything, each other included.
     "": 8, "_stats": 8, "collect_env": 8, "demo": 8, "cli": 8, "conformance": 8,
 }

@@ -8,6 +8,6 @@ kernels, and its executables come from the same resolver and cache as ops. `back
 through the `torch_dynamo_backends` entry point.
 """
 
-from ._compile import backend
+from ._compile import CompiledGraph, backend, decompose
 
-__all__ = ["backend"]
+__all__ = ["CompiledGraph", "backend", "decompose"]

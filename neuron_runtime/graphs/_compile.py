@@ -32,6 +32,14 @@ log = logging.getLogger(__name__)
 
 _MODES = (None, "default")
 _lock = threading.Lock()
+#: Non-aten ops AOTAutograd writes as aten ops (`neuron_runtime.kernel`s and their backwards register here
+#: through `decompose`), so a graph that calls one stays one executable instead of being refused.
+DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
+
+
+def decompose(op: Any, fn: Callable[..., Any]) -> None:
+    """Trace `op` as `fn` (a function of aten ops) in every graph compiled from now on."""
+    DECOMPOSITIONS[op] = fn
 
 
 class GraphCompileError(RuntimeError):
@@ -67,7 +75,8 @@ def _aot(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..
     # copies each updated parameter and moment back itself, one neuron op per tensor after every call.
     return aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
                         inference_compiler=_compiler("inference"),
-                        keep_inference_input_mutations=True)(gm, example_inputs)
+                        keep_inference_input_mutations=True,
+                        decompositions=dict(DECOMPOSITIONS))(gm, example_inputs)
 
 
 def _symbolic(v: Any) -> bool:
