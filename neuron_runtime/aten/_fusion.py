@@ -29,6 +29,7 @@ by op and is remembered as not fusible. Results are those of the same ops in the
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -120,6 +121,9 @@ class Fusion:
         self.sigs: dict[tuple[str, Any], dict[str, Any]] = {}
         self.seen: dict[Any, int] = {}
         self.fused: dict[Any, Any] = {}       # (structure, live outputs, into) -> executable | UNFUSIBLE
+        # Per group: seconds of its op-by-op runs, then of its fused trial runs (`_decide`).
+        self.each_s: dict[Any, list[float]] = {}
+        self.trial_s: dict[Any, list[float]] = {}
         # Per (op, key): flushes it was in, and whether one of them held other ops too. An op that
         # always flushes alone has nothing to fuse with: after min_seen flushes it is no longer queued
         # (`solo`, which also holds ops whose outputs are too small to be worth queueing).
@@ -128,7 +132,7 @@ class Fusion:
         self.solo: set[tuple[str, Any]] = set()
         self.stats: dict[str, Any] = {"groups_fused": 0, "ops_fused": 0, "fused_executions": 0,
                                       "ops_buffered": 0, "outputs_not_materialised": 0, "ops_not_queued": 0,
-                                      "ops_run_each": 0,
+                                      "ops_run_each": 0, "groups_slower_fused": 0,
                                       "flushes": {}}
         del PENDING[:]
         _native_pending(False)
@@ -266,11 +270,35 @@ class Fusion:
             live = tuple(sorted(w for w in writer.values() if readable(w)))
             self.stats["outputs_not_materialised"] += sum(len(n.dsts) for n in nodes) - len(live)
             if len(nodes) > 1 and seen >= self.min_seen and self.fused.get(group) is not UNFUSIBLE:
+                t0 = time.perf_counter()
                 exe = self._run_fused(group, nodes, ext, live, _into(nodes, ext, ext_index, live))
                 if exe is not None:
-                    return exe
+                    return self._decide(group, time.perf_counter() - t0, exe)
+            t0 = time.perf_counter()
             self._run_each(nodes)
+            if len(nodes) > 1:
+                times = self.each_s.setdefault(group, [])
+                if len(times) < _TRIALS:
+                    times.append(time.perf_counter() - t0)
             return None
+
+    def _decide(self, group: Any, seconds: float, exe: Any) -> Any:
+        """A group ran fused: its first `_TRIALS` fused runs are timed here (None is returned for them, so
+        the native queue keeps handing the group to Python), then it stays fused only if its fastest
+        fused run beat its median op-by-op run; a group slower fused is remembered and runs op by op
+        (`groups_slower_fused`). Returns the executable the native queue may run the group with, or None."""
+        trials = self.trial_s.setdefault(group, [])
+        if len(trials) >= _TRIALS:  # decided (Python's own queue asks at every flush)
+            return exe
+        trials.append(seconds)
+        if len(trials) < _TRIALS:
+            return None
+        each = sorted(self.each_s.get(group) or [float("inf")])
+        if min(trials) > each[len(each) // 2]:
+            self.fused[group] = UNFUSIBLE
+            self.stats["groups_slower_fused"] += 1
+            return None
+        return exe
 
     def queues(self, info: OpInfo, key: Any) -> bool:
         """Whether calls of this op and key are queued (the native hit path asks once per key)."""
@@ -392,6 +420,8 @@ def _into(nodes: list[_Node], ext: list[Any], ext_index: dict[int, int],
 
 
 _DEVICE = "neuron"
+#: Fused runs timed before a group is trusted to the native queue (the first includes a cold start).
+_TRIALS = 3
 _AS_STRIDED = classify("aten::as_strided")
 _fusion: Fusion | None = None
 

@@ -193,6 +193,21 @@ def main() -> int:
                 oks.append(torch.allclose(wv.cpu(), wv0))  # reading w runs the queue
             compiles.append(neuron_runtime.stats()["compiles"] - before)
         out = {"ok": all(oks), "steps_ok": oks, "compiles": compiles}
+    elif scenario == "region":  # a matmul, views of its queued result, softmax, reductions: one region
+        torch.manual_seed(0)
+        x_c, w_c = torch.randn(4, 8), torch.randn(8, 8)
+        x, w = x_c.to(D), w_c.to(D)
+
+        def prog(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            y = torch.mm(x * 2, w)
+            z = y.view(2, 16).t().softmax(-1)  # views of a queued result, read inside the region
+            return z.sum(0, keepdim=True) + y.reshape(32)[::3].mean(), y
+
+        oks = []
+        for _ in range(6):
+            got, want = prog(x, w), prog(x_c, w_c)
+            oks.append(all(torch.allclose(g.cpu(), v, rtol=1e-5, atol=1e-6) for g, v in zip(got, want)))
+        out = {"ok": all(oks), "steps_ok": oks, "stats": neuron_runtime.stats()}
     elif scenario == "views_elsewhere":  # views of memory no queued op writes do not flush
         x, w = torch.randn(64, device=D), torch.randn(8, 8, device=D)
         for _ in range(4):

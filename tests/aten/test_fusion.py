@@ -97,6 +97,36 @@ def test_views_of_other_memory_do_not_flush(tmp_path: Path) -> None:
     assert f["fused_executions"] >= 1
 
 
+def test_a_region_holds_matmuls_reductions_and_views_of_its_results(tmp_path: Path) -> None:
+    out = run("region", tmp_path)
+    if out["native"] is None:
+        pytest.skip("the native layer is not loaded: views flush (it tracks what queued ops write)")
+    f = out["stats"]["fusion"]
+    assert out["ok"], out["steps_ok"]
+    # only the host reads (`.cpu()`, as `_to_copy`) end the region: its 6 ops (mul, mm, softmax, sum, mean,
+    # add; views are metadata) ran fused once hot
+    assert set(f["flushes"]) == {"op:aten::_to_copy"}, f["flushes"]
+    assert f["fused_executions"] >= 2 and f["ops_fused"] == 6 * f["fused_executions"], f
+
+
+def test_a_group_slower_fused_than_op_by_op_runs_op_by_op() -> None:
+    """The measured decision (`Fusion._decide`): after its timed trial runs, a group stays fused only if
+    its fastest fused run beat its median op-by-op run."""
+    from neuron_runtime import _config
+    from neuron_runtime.aten import _fusion
+
+    class Runtime:
+        cfg = _config.Config()
+
+    f = _fusion.Fusion(Runtime())
+    f.each_s = {"fast": [1.0, 1.0, 1.0], "slow": [1.0, 1.0, 1.0]}
+    exe = object()
+    assert [f._decide("fast", s, exe) for s in (2.0, 0.9, 0.8)] == [None, None, exe]
+    assert f._decide("fast", 5.0, exe) is exe  # decided: later runs are not timed
+    assert [f._decide("slow", s, exe) for s in (2.0, 1.5, 1.2)] == [None, None, None]
+    assert f.fused["slow"] is _fusion.UNFUSIBLE and f.stats["groups_slower_fused"] == 1
+
+
 def test_an_op_that_always_flushes_alone_stops_being_queued(tmp_path: Path) -> None:
     out = run("solo", tmp_path)
     f = out["stats"]["fusion"]
