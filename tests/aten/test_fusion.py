@@ -111,7 +111,7 @@ def test_a_region_holds_matmuls_reductions_and_views_of_its_results(tmp_path: Pa
 
 def test_a_group_slower_fused_than_op_by_op_runs_op_by_op() -> None:
     """The measured decision (`Fusion._decide`): after its timed trial runs, a group stays fused only if
-    its fastest fused run beat its median op-by-op run."""
+    its fastest fused run is not clearly (25 %) slower than its median op-by-op run."""
     from neuron_runtime import _config
     from neuron_runtime.aten import _fusion
 
@@ -121,9 +121,9 @@ def test_a_group_slower_fused_than_op_by_op_runs_op_by_op() -> None:
     f = _fusion.Fusion(Runtime())
     f.each_s = {"fast": [1.0, 1.0, 1.0], "slow": [1.0, 1.0, 1.0]}
     exe = object()
-    assert [f._decide("fast", s, exe) for s in (2.0, 0.9, 0.8)] == [None, None, exe]
+    assert [f._decide("fast", s, exe) for s in (2.0, 1.1)] == [None, exe]  # within the noise margin
     assert f._decide("fast", 5.0, exe) is exe  # decided: later runs are not timed
-    assert [f._decide("slow", s, exe) for s in (2.0, 1.5, 1.2)] == [None, None, None]
+    assert [f._decide("slow", s, exe) for s in (2.0, 1.3)] == [None, None]
     assert f.fused["slow"] is _fusion.UNFUSIBLE and f.stats["groups_slower_fused"] == 1
 
 
