@@ -285,16 +285,15 @@ class Fusion:
     def _decide(self, group: Any, seconds: float, exe: Any) -> Any:
         """A group ran fused: its first `_TRIALS` fused runs are timed here (None is returned for them, so
         the native queue keeps handing the group to Python), then it stays fused unless its fastest
-        fused run took over `_SLOWER` times its median op-by-op run; a group slower fused is remembered and runs op by op
-        (`groups_slower_fused`). Returns the executable the native queue may run the group with, or None."""
+        fused run took over `_SLOWER` times its slowest op-by-op run (clearly slower, whatever the
+        noise); a group slower fused is remembered and runs op by op (`groups_slower_fused`). Returns the executable the native queue may run the group with, or None."""
         trials = self.trial_s.setdefault(group, [])
         if len(trials) >= _TRIALS:  # decided (Python's own queue asks at every flush)
             return exe
         trials.append(seconds)
         if len(trials) < _TRIALS:
             return None
-        each = sorted(self.each_s.get(group) or [float("inf")])
-        if min(trials) > _SLOWER * each[len(each) // 2]:
+        if min(trials) > _SLOWER * max(self.each_s.get(group) or [float("inf")]):
             self.fused[group] = UNFUSIBLE
             self.stats["groups_slower_fused"] += 1
             return None
@@ -421,7 +420,7 @@ def _into(nodes: list[_Node], ext: list[Any], ext_index: dict[int, int],
 
 _DEVICE = "neuron"
 #: Fused runs timed before a group is trusted to the native queue (the first includes a cold start), and
-#: how much slower than its median op-by-op run its fastest one must be to send it back op by op (a
+#: how much slower than its slowest op-by-op run its fastest one must be to send it back op by op (a
 #: margin over this machine's run-to-run noise: a group is only demoted when clearly slower).
 _TRIALS = 2
 _SLOWER = 1.25

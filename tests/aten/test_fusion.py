@@ -111,7 +111,7 @@ def test_a_region_holds_matmuls_reductions_and_views_of_its_results(tmp_path: Pa
 
 def test_a_group_slower_fused_than_op_by_op_runs_op_by_op() -> None:
     """The measured decision (`Fusion._decide`): after its timed trial runs, a group stays fused only if
-    its fastest fused run is not clearly (25 %) slower than its median op-by-op run."""
+    its fastest fused run is not clearly (25 %) slower than its slowest op-by-op run."""
     from neuron_runtime import _config
     from neuron_runtime.aten import _fusion
 
