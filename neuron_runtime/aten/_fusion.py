@@ -286,7 +286,8 @@ class Fusion:
         """A group ran fused: its first `_TRIALS` fused runs are timed here (None is returned for them, so
         the native queue keeps handing the group to Python), then it stays fused unless its fastest
         fused run took over `_SLOWER` times its slowest op-by-op run (clearly slower, whatever the
-        noise); a group slower fused is remembered and runs op by op (`groups_slower_fused`). Returns the executable the native queue may run the group with, or None."""
+        noise); a group slower fused is remembered and runs op by op (`groups_slower_fused`). Returns
+        the executable the native queue may run the group with, or None."""
         trials = self.trial_s.setdefault(group, [])
         if len(trials) >= _TRIALS:  # decided (Python's own queue asks at every flush)
             return exe
