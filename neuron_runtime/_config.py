@@ -97,7 +97,7 @@ class Config:
     concatenation: bool = False
     concatenation_buffer_limit: int = 1024
     fusion_min_seen: int = 3
-    fusion_min_numel: int = 32768
+    fusion_min_numel: int = 0  # 0: no size threshold (fusion measures instead: aten/_fusion.py)
     # recording (neuron-cache warm)
     record_file: str | None = None
     # background compiles (the host's compile service) and prefetch

@@ -685,6 +685,9 @@ struct QNode {
   std::vector<at::Tensor> ins;       // the executable's tensor slots: neuron tensors, wrapped numbers, or
                                      // undefined where `wire` names the queued op whose result it reads
   std::vector<std::pair<int64_t, int64_t>> wire;  // per slot: (node, output), or (-1, -1) for ins[k]
+  std::vector<std::vector<int64_t>> view;  // per slot: empty, or how a wired slot views its writer's result
+                                           // (rank, sizes, strides, storage offset): a view of a queued
+                                           // op's fresh output, read inside the group (its `as_strided`)
   std::vector<at::Tensor> cpu;       // per slot read from outside the queue: its CPU view, taken when
                                      // queued (a later `x.data = y` cannot change what the op reads)
   std::vector<bool> fresh;           // per dst: a buffer allocated for a queued functional op
@@ -715,6 +718,9 @@ std::vector<QNode> g_queue;
 std::unordered_map<const c10::TensorImpl*, at::Tensor> g_views;
 std::unordered_map<const c10::TensorImpl*, std::pair<int64_t, int64_t>> g_writer;  // last writer per tensor
 std::unordered_set<const void*> g_written;  // storage pointers queued ops write
+// Per storage a queued op writes: its last writer, when that is a functional op's fresh output (a view
+// of it is read inside the group, through the writer's result); (-1, -1) after an in-place write.
+std::unordered_map<const void*, std::pair<int64_t, int64_t>> g_fresh_writer;
 bool g_qgrad = false, g_qautocast = false;
 PyObject* g_started = nullptr;      // fusion._native_started(): Python's queue gets its marker
 PyObject* g_from_native = nullptr;  // fusion._flush_from_native(nodes, live) -> executable | None
@@ -737,8 +743,20 @@ at::Tensor queued_view(const at::Tensor& t) {
 bool view_needs_flush(const c10::IValue& v) {
   py::gil_scoped_acquire gil;  // guards the queue's state
   if (g_queue.empty() || !v.isTensor() || !v.toTensor().defined()) return true;
-  const at::Tensor& t = v.toTensor();
-  return t.device().type() != c10::DeviceType::PrivateUse1 || g_written.count(storage_ptr(t)) > 0;
+  // A view of memory queued ops write is metadata too: a queued op reading it is wired to the writer's
+  // result through the view (`enqueue`), anything else that reads it runs the queue first.
+  return v.toTensor().device().type() != c10::DeviceType::PrivateUse1;
+}
+
+// The writer a queued op reading `t` (not itself a queued op's output) reads through a view, or null
+// when `t` reads no fresh output of a queued op the same dtype (then the queue runs first).
+const std::pair<int64_t, int64_t>* view_writer(const at::Tensor& t) {
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) return nullptr;
+  auto it = g_fresh_writer.find(storage_ptr(t));
+  if (it == g_fresh_writer.end() || it->second.first < 0) return nullptr;
+  const at::Tensor& d = g_queue[it->second.first].dsts[it->second.second];
+  if (d.dtype() != t.dtype() || d.storage_offset() != 0) return nullptr;
+  return &it->second;
 }
 
 void flush_for(const std::string& reason) {  // with the GIL: fusion.flush(reason)
@@ -975,7 +993,8 @@ struct OpState final : c10::OperatorKernel {
         return !t.unsafeGetTensorImpl()->is_wrapped_number() && !g_writer.count(t.unsafeGetTensorImpl()) &&
                g_written.count(storage_ptr(t));
       };
-      if (std::any_of(node.ins.begin(), node.ins.end(), reads_other_view) ||
+      if (std::any_of(node.ins.begin(), node.ins.end(),
+                      [&](const at::Tensor& t) { return reads_other_view(t) && view_writer(t) == nullptr; }) ||
           std::any_of(targets.begin(), targets.end(), reads_other_view)) {
         flush_for("reads_pending_memory");
       }
@@ -987,12 +1006,23 @@ struct OpState final : c10::OperatorKernel {
     // never written back).
     for (at::Tensor& t : node.ins) {
       auto w = t.unsafeGetTensorImpl()->is_wrapped_number() ? g_writer.end() : g_writer.find(t.unsafeGetTensorImpl());
-      if (w == g_writer.end()) {
+      const std::pair<int64_t, int64_t>* vw = w == g_writer.end() ? view_writer(t) : nullptr;
+      if (vw != nullptr) {  // a view of a queued op's fresh output: read through its result
+        node.wire.push_back(*vw);
+        node.cpu.push_back(queued_view(t));
+        std::vector<int64_t> spec{t.dim()};
+        for (int64_t x : t.sizes()) spec.push_back(x);
+        for (int64_t x : t.strides()) spec.push_back(x);
+        spec.push_back(t.storage_offset());
+        node.view.push_back(std::move(spec));
+      } else if (w == g_writer.end()) {
         node.wire.emplace_back(-1, -1);
         node.cpu.push_back(t.unsafeGetTensorImpl()->is_wrapped_number() ? t : queued_view(t));
+        node.view.emplace_back();
       } else {
         node.wire.push_back(w->second);
         node.cpu.emplace_back();
+        node.view.emplace_back();
         t = at::Tensor();
       }
     }
@@ -1022,6 +1052,8 @@ struct OpState final : c10::OperatorKernel {
     for (size_t i = 0; i < node.dsts.size(); ++i) {
       g_writer[node.ids[i]._unsafe_get_target()] = {j, static_cast<int64_t>(i)};
       g_written.insert(storage_ptr(node.dsts[i]));
+      g_fresh_writer[storage_ptr(node.dsts[i])] =
+          node.inplace ? std::pair<int64_t, int64_t>{-1, -1} : std::pair<int64_t, int64_t>{j, static_cast<int64_t>(i)};
     }
     c10::IValue self = node.inplace && !(*stack)[base + mutated].isTensorList() ? (*stack)[base + mutated]
                                                                                  : c10::IValue();
@@ -1672,6 +1704,7 @@ void run_queue() {
   nodes.swap(g_queue);
   g_writer.clear();
   g_written.clear();
+  g_fresh_writer.clear();
   g_views.clear();
   if (nodes.empty()) return;
   // Wiring, as fusion.py's flush builds it: each tensor slot reads the group's input `ext[i]` or the
@@ -1690,6 +1723,8 @@ void run_queue() {
         words.push_back(T_TENSOR);
         words.push_back(node.wire[k].first);
         words.push_back(node.wire[k].second);
+        words.push_back(static_cast<int64_t>(node.view[k].size()));
+        words.insert(words.end(), node.view[k].begin(), node.view[k].end());
         continue;
       }
       const at::Tensor& t = node.ins[k];
@@ -1778,7 +1813,9 @@ void run_queue() {
     py::list ins, scalars, dsts;
     for (size_t k = 0; k < node.ins.size(); ++k) {
       const at::Tensor& t = node.ins[k];
-      if (node.wire[k].first >= 0) {
+      if (!node.view[k].empty()) {  // fusion.py sees the view's CPU tensor, on its writer's buffer
+        ins.append(host(node, k));
+      } else if (node.wire[k].first >= 0) {
         const QNode& w = nodes[node.wire[k].first];
         ins.append(cpu_of.at(w.ids[node.wire[k].second]._unsafe_get_target()));
       } else {
@@ -1812,6 +1849,7 @@ void set_fusion(py::object flush, py::object started, py::object from_native, si
   g_queue.clear();
   g_writer.clear();
   g_written.clear();
+  g_fresh_writer.clear();
   g_views.clear();
   g_groups.clear();
   for (auto [slot, obj] : {std::pair<PyObject**, py::object*>{&g_flush, &flush}, {&g_started, &started},

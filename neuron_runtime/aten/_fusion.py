@@ -29,23 +29,31 @@ by op and is remembered as not fusible. Results are those of the same ops in the
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
 
 from .._native import FUSED, NATIVE, trace_run
-from ..signatures import OPT_TENSOR, OpInfo, SCALAR, SCALARS, TENSOR, TENSORS, VALUE
+from ..signatures import OPT_TENSOR, OpInfo, SCALAR, SCALARS, TENSOR, TENSORS, VALUE, build_signature, classify
 
 
 _ARG_KINDS = (TENSOR, OPT_TENSOR, SCALAR, SCALARS, VALUE)
 
 
+#: Tags of ops whose outputs' metadata is not known ahead of running them (or that draw on a generator).
+_NOT_AHEAD = (torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape,
+              torch.Tag.data_dependent_output)
+
+
 def fusible(info: OpInfo) -> bool:
-    """Pointwise ops (PyTorch's tag) returning tensors, and `_foreach_` ops over a pointwise op (one list
-    output); functional, or in place on their first argument (`x.mul_(2)`, `_foreach_lerp_(exp_avgs,
-    ...)`). Matmuls, reductions and the rest flush: queued with them (measured on the benchmark steps),
-    groups end at every view of a queued result, and a fused group's call and write-backs cost more than
-    the per-op calls they replace at these sizes."""
+    """Ops that join the pending region: every functional op whose outputs' metadata follows from its key
+    (sizes, strides and dtypes of its tensors, the values of its structural arguments): pointwise,
+    reductions, softmax, norms, losses, matmuls, backward ops, `cat`; and the `_foreach_` ops over a
+    pointwise op (one list output). Functional, or in place on their first argument (`x.mul_(2)`,
+    `x.zero_()`, `_foreach_lerp_(exp_avgs, ...)`). Not: ops whose outputs depend on the data
+    (`nonzero`), random ops (they draw on the host, DESIGN §2), factories (no tensor input), out= ops,
+    ops with an undefined output (learnt per key: `learn`)."""
     foreach = info.qualname.startswith("aten::_foreach_")
     if foreach:
         base = info.qualname.removeprefix("aten::_foreach_").split(".")[0].rstrip("_")
@@ -53,9 +61,10 @@ def fusible(info: OpInfo) -> bool:
         if base == "copy" or packet is None or not any(
                 torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads()):
             return False
-    elif torch.Tag.pointwise not in info.op.tags or torch.Tag.nondeterministic_seeded in info.op.tags:
+    elif any(t in info.op.tags for t in _NOT_AHEAD) or \
+            not any(a.kind in (TENSOR, TENSORS) for a in info.args):
         return False
-    kinds = _ARG_KINDS + ((TENSORS,) if foreach else ())
+    kinds = _ARG_KINDS + (TENSORS,)
     if not all(a.kind in kinds for a in info.args):
         return False
     if info.kind == "compute":
@@ -112,6 +121,9 @@ class Fusion:
         self.sigs: dict[tuple[str, Any], dict[str, Any]] = {}
         self.seen: dict[Any, int] = {}
         self.fused: dict[Any, Any] = {}       # (structure, live outputs, into) -> executable | UNFUSIBLE
+        # Per group: seconds of its op-by-op runs, then of its fused trial runs (`_decide`).
+        self.each_s: dict[Any, list[float]] = {}
+        self.trial_s: dict[Any, list[float]] = {}
         # Per (op, key): flushes it was in, and whether one of them held other ops too. An op that
         # always flushes alone has nothing to fuse with: after min_seen flushes it is no longer queued
         # (`solo`, which also holds ops whose outputs are too small to be worth queueing).
@@ -120,6 +132,7 @@ class Fusion:
         self.solo: set[tuple[str, Any]] = set()
         self.stats: dict[str, Any] = {"groups_fused": 0, "ops_fused": 0, "fused_executions": 0,
                                       "ops_buffered": 0, "outputs_not_materialised": 0, "ops_not_queued": 0,
+                                      "ops_run_each": 0, "groups_slower_fused": 0,
                                       "flushes": {}}
         del PENDING[:]
         _native_pending(False)
@@ -223,13 +236,18 @@ class Fusion:
             ext: list[Any] = []
             ext_index: dict[int, int] = {}
             writer: dict[int, tuple[int, int]] = {}  # id(CPU tensor) -> (node, output) that last wrote it
+            # storage pointer -> the functional op whose fresh output it is, while that op wrote it last
+            fresh: dict[int, tuple[int, int] | None] = {}
             structure = []
             for j, node in enumerate(nodes):
                 wiring: list[tuple[Any, ...]] = []
                 for c in node.ins:
                     w = writer.get(id(c)) if isinstance(c, torch.Tensor) else None
+                    v = _view_of(c, fresh, nodes) if w is None and isinstance(c, torch.Tensor) else None
                     if w is not None:
                         wiring.append(("n", w[0]) if w[1] == 0 else ("n", w[0], w[1]))
+                    elif v is not None:  # a view of a queued op's fresh output (the native queue wired it)
+                        wiring.append(v)
                     elif isinstance(c, torch.Tensor):
                         if id(c) not in ext_index:
                             ext_index[id(c)] = len(ext)
@@ -240,6 +258,7 @@ class Fusion:
                         ext.append(c)
                 for i, d in enumerate(node.dsts):
                     writer[id(d)] = (j, i)
+                    fresh[d.untyped_storage().data_ptr()] = None if node.inplace else (j, i)
                 structure.append((node.info.qualname, node.key, tuple(wiring)))
             group = tuple(structure)
             seen = self.seen[group] = self.seen.get(group, 0) + 1
@@ -251,11 +270,35 @@ class Fusion:
             live = tuple(sorted(w for w in writer.values() if readable(w)))
             self.stats["outputs_not_materialised"] += sum(len(n.dsts) for n in nodes) - len(live)
             if len(nodes) > 1 and seen >= self.min_seen and self.fused.get(group) is not UNFUSIBLE:
+                t0 = time.perf_counter()
                 exe = self._run_fused(group, nodes, ext, live, _into(nodes, ext, ext_index, live))
                 if exe is not None:
-                    return exe
+                    return self._decide(group, time.perf_counter() - t0, exe)
+            t0 = time.perf_counter()
             self._run_each(nodes)
+            if len(nodes) > 1:
+                times = self.each_s.setdefault(group, [])
+                if len(times) < _TRIALS:
+                    times.append(time.perf_counter() - t0)
             return None
+
+    def _decide(self, group: Any, seconds: float, exe: Any) -> Any:
+        """A group ran fused: its first `_TRIALS` fused runs are timed here (None is returned for them, so
+        the native queue keeps handing the group to Python), then it stays fused unless its fastest
+        fused run took over `_SLOWER` times its slowest op-by-op run (clearly slower, whatever the
+        noise); a group slower fused is remembered and runs op by op (`groups_slower_fused`). Returns
+        the executable the native queue may run the group with, or None."""
+        trials = self.trial_s.setdefault(group, [])
+        if len(trials) >= _TRIALS:  # decided (Python's own queue asks at every flush)
+            return exe
+        trials.append(seconds)
+        if len(trials) < _TRIALS:
+            return None
+        if min(trials) > _SLOWER * max(self.each_s.get(group) or [float("inf")]):
+            self.fused[group] = UNFUSIBLE
+            self.stats["groups_slower_fused"] += 1
+            return None
+        return exe
 
     def queues(self, info: OpInfo, key: Any) -> bool:
         """Whether calls of this op and key are queued (the native hit path asks once per key)."""
@@ -284,6 +327,7 @@ class Fusion:
                         NATIVE.clear()  # native kernels ask again: this key runs natively now
 
     def _run_each(self, nodes: list[_Node]) -> None:
+        self.stats["ops_run_each"] += len(nodes)
         for node in nodes:
             for d, o in zip(node.dsts, trace_run(node.exe, node.ins, node.scalars)):
                 d.copy_(o)
@@ -292,10 +336,10 @@ class Fusion:
                    into: tuple[int, ...]) -> Any:
         exe = self.fused.get((group, live, into))
         if exe is None:
-            spec = [j if i == 0 else [j, i] for j, i in live]
+            graph, at = _graph(group, nodes, self.sigs)
+            spec = [at[j] if i == 0 else [at[j], i] for j, i in live]
             sig = {"op": "fused:" + "+".join(s[0].removeprefix("aten::") for s in group),
-                   "graph": [{"sig": self.sigs[(s[0], s[1])], "in": [list(w) for w in s[2]]} for s in group],
-                   "outputs": [o for o, e in zip(spec, into) if e < 0]}
+                   "graph": graph, "outputs": [o for o, e in zip(spec, into) if e < 0]}
             if any(e >= 0 for e in into):
                 sig["into"] = [[o, e] for o, e in zip(spec, into) if e >= 0]
             try:
@@ -320,6 +364,41 @@ class Fusion:
         return exe
 
 
+def _view_of(c: torch.Tensor, fresh: dict[int, tuple[int, int] | None],
+             nodes: list[_Node]) -> tuple[Any, ...] | None:
+    """`("v", node, output, sizes, strides, offset)` when `c` views the fresh output of a queued functional
+    op that wrote its memory last (the native queue wires such reads: `enqueue` in _native/fastpath.cpp),
+    else None."""
+    w = fresh.get(c.untyped_storage().data_ptr())
+    if w is None:
+        return None
+    d = nodes[w[0]].dsts[w[1]]
+    if d.dtype != c.dtype or d.storage_offset() != 0:
+        return None
+    return ("v", w[0], w[1], tuple(c.shape), c.stride(), c.storage_offset())
+
+
+def _graph(group: Any, nodes: list[_Node], sigs: dict[Any, Any]) -> tuple[list[Any], list[int]]:
+    """A group's graph signature nodes, and each queued op's index among them: a read through a view of
+    an earlier result becomes an `aten::as_strided` node of that result (a view, inside the executable)."""
+    graph: list[Any] = []
+    at: list[int] = []
+    for j, (qualname, key, wiring) in enumerate(group):
+        ins = []
+        for w in wiring:
+            if w[0] != "v":
+                ins.append(["n", at[w[1]], *w[2:]] if w[0] == "n" else list(w))
+                continue
+            _, src, out, sizes, strides, offset = w
+            base = nodes[src].dsts[out]
+            graph.append({"sig": build_signature(_AS_STRIDED, (base, list(sizes), list(strides), offset)),
+                          "in": [["n", at[src]] if out == 0 else ["n", at[src], out]]})
+            ins.append(["n", len(graph) - 1])
+        at.append(len(graph))
+        graph.append({"sig": sigs[(qualname, key)], "in": ins})
+    return graph, at
+
+
 def _into(nodes: list[_Node], ext: list[Any], ext_index: dict[int, int],
           live: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
     """Per live result, the group input the fused executable writes it into (-1: it returns it).
@@ -341,6 +420,12 @@ def _into(nodes: list[_Node], ext: list[Any], ext_index: dict[int, int],
 
 
 _DEVICE = "neuron"
+#: Fused runs timed before a group is trusted to the native queue (the first includes a cold start), and
+#: how much slower than its slowest op-by-op run its fastest one must be to send it back op by op (a
+#: margin over this machine's run-to-run noise: a group is only demoted when clearly slower).
+_TRIALS = 2
+_SLOWER = 1.25
+_AS_STRIDED = classify("aten::as_strided")
 _fusion: Fusion | None = None
 
 

@@ -39,6 +39,8 @@ def triggers() -> dict[str, object]:
     reasons = {}
 
     def last_reason(action) -> str:  # type: ignore[no-untyped-def]
+        action()  # its ops' first runs (an op not run before flushes: its outputs are unknown)
+        torch.neuron.synchronize()
         before = dict(neuron_runtime.stats()["fusion"]["flushes"])
         action()
         after = neuron_runtime.stats()["fusion"]["flushes"]
@@ -50,10 +52,19 @@ def triggers() -> dict[str, object]:
     reasons["cpu"] = last_reason(lambda: chain(x).cpu())
     reasons["print"] = last_reason(lambda: repr(chain(x)))
     reasons["bool"] = last_reason(lambda: bool(chain(x)[0] > 0))
-    reasons["view"] = last_reason(lambda: chain(x).view(4, 8))
+    x.t().exp().cpu()  # exp's first run: learn it
+    x.view(4, 8).t().exp().cpu()  # (and on a transposed view)
+    views = {}
+
+    def view_read() -> None:  # a view of a queued result is metadata, read inside the region
+        views["view"] = chain(x).view(4, 8).t().exp()
+    reasons["view"] = last_reason(view_read)
+    views["view_want"] = chain(x.cpu()).view(4, 8).t().exp()
     chain(x).cumsum_(0).cpu()  # cumsum_'s first run
-    reasons["inplace"] = last_reason(lambda: chain(x).cumsum_(0))  # not pointwise: it cannot be queued
-    reasons["non_fusible"] = last_reason(lambda: torch.mm(chain(x).view(4, 8), torch.ones(8, 2, device=D)))
+    reasons["inplace"] = last_reason(lambda: chain(x).cumsum_(0))  # a scan, in place: queued too
+    w = torch.ones(8, 2, device=D)
+    reasons["matmul"] = last_reason(lambda: torch.mm(chain(x).view(4, 8), w))
+    reasons["non_fusible"] = last_reason(lambda: torch.nonzero(chain(x)))  # data-dependent shape
 
     def grad_change() -> None:
         with torch.no_grad():
@@ -61,15 +72,15 @@ def triggers() -> dict[str, object]:
         y * 3
     reasons["grad_mode"] = last_reason(grad_change)
 
-    x.t().exp().cpu()  # exp's first run: learn it
+    x.clone().t().exp_()  # exp_'s
 
-    def view_of_pending() -> None:
+    def write_through_view() -> None:
         y = chain(x)
-        y.t().exp()  # t() is a composite view: reading it must run the queued ops first
-    reasons["reads_pending"] = last_reason(view_of_pending)
+        y.t().exp_()  # writing a queued result through a view: the queued ops run first
+    reasons["reads_pending"] = last_reason(write_through_view)
     reasons["synchronize"] = last_reason(lambda: (chain(x), torch.neuron.synchronize()))
     # correctness after all that
-    ok = torch.equal(chain(x).cpu(), chain(x.cpu()))
+    ok = torch.equal(chain(x).cpu(), chain(x.cpu())) and torch.allclose(views["view"].cpu(), views["view_want"])
     return {"reasons": reasons, "ok": ok}
 
 
@@ -115,11 +126,11 @@ def main() -> int:
         chain(x).cpu()
         y = chain(chain(x))
         out = {"ok": torch.equal(y.cpu(), chain(chain(x.cpu())))}
-    elif scenario == "solo":  # relu always flushes alone (mm reads it): nothing to fuse it with
-        w_c, x_c = torch.eye(8) * 0.9 + 0.01, torch.randn(8, 8)
-        w, x = w_c.to(D), x_c.to(D)
+    elif scenario == "solo":  # relu always flushes alone (the host reads it): nothing to fuse it with
+        x_c = torch.randn(8, 8)
+        x = x_c.to(D)
         for _ in range(8):
-            x, x_c = torch.mm(torch.relu(x), w), torch.mm(torch.relu(x_c), w_c)
+            x, x_c = (torch.relu(x).cpu() * 0.9 - 0.1).to(D), torch.relu(x_c) * 0.9 - 0.1
         out = {"ok": torch.allclose(x.cpu(), x_c), "stats": neuron_runtime.stats()}
     elif scenario == "refuse_graphs":
         from neuron_runtime.compiler import CompileRefused
@@ -182,6 +193,21 @@ def main() -> int:
                 oks.append(torch.allclose(wv.cpu(), wv0))  # reading w runs the queue
             compiles.append(neuron_runtime.stats()["compiles"] - before)
         out = {"ok": all(oks), "steps_ok": oks, "compiles": compiles}
+    elif scenario == "region":  # a matmul, views of its queued result, softmax, reductions: one region
+        torch.manual_seed(0)
+        x_c, w_c = torch.randn(4, 8), torch.randn(8, 8)
+        x, w = x_c.to(D), w_c.to(D)
+
+        def prog(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            y = torch.mm(x * 2, w)
+            z = y.view(2, 16).t().softmax(-1)  # views of a queued result, read inside the region
+            return z.sum(0, keepdim=True) + y.reshape(32)[::3].mean(), y
+
+        oks = []
+        for _ in range(6):
+            got, want = prog(x, w), prog(x_c, w_c)
+            oks.append(all(torch.allclose(g.cpu(), v, rtol=1e-5, atol=1e-6) for g, v in zip(got, want)))
+        out = {"ok": all(oks), "steps_ok": oks, "stats": neuron_runtime.stats()}
     elif scenario == "views_elsewhere":  # views of memory no queued op writes do not flush
         x, w = torch.randn(64, device=D), torch.randn(8, 8, device=D)
         for _ in range(4):
@@ -212,7 +238,7 @@ def main() -> int:
             return z
 
         oks = []
-        for _ in range(5):
+        for _ in range(6):  # (min_seen 2, two timed fused trials, then the native queue runs it)
             z, z0 = program(a, b, base, u), program(a0, b0, base0, u0)
             oks.append(torch.allclose(a.cpu(), a0) and torch.allclose(z.cpu(), z0) and
                        torch.allclose(base.cpu(), base0))
