@@ -240,12 +240,17 @@ struct NeuronHooks : at::PrivateUse1HooksInterface {
 // composite (~10 ops). Neuron makes CPU's choice (CPU's flash kernel where it applies, else the math
 // composite), so attention computes as on CPU, bit for bit on the reference tier, in one op
 // (`_scaled_dot_product_flash_attention_for_cpu`, a library call on the aoti tier) rather than ten.
-// CPU's choice reads only sizes, strides and dtypes: it is asked about CPU tensors with this metadata
-// over a buffer nobody reads (the tensors may have no data: torch.compile traces with fake tensors).
+// CPU's choice reads only sizes, strides, dtypes and whether an input requires grad (flash attention has
+// no gradient for a mask: a mask that requires grad gets the math composite): it is asked about CPU
+// tensors with this metadata over a buffer nobody reads (the tensors may have no data: torch.compile
+// traces with fake tensors).
 at::Tensor cpu_alias(const at::Tensor& t) {
   if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1) return t;
   alignas(64) static char unread[64];
-  return at::from_blob(unread, t.sizes(), t.strides(), t.options().device(c10::kCPU).requires_grad(false));
+  at::Tensor alias = at::from_blob(unread, t.sizes(), t.strides(),
+                                   t.options().device(c10::kCPU).requires_grad(false));
+  if (t.requires_grad()) alias.set_requires_grad(true);
+  return alias;
 }
 
 int64_t neuron_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -774,6 +779,7 @@ struct OpState final : c10::OperatorKernel {
   std::vector<bool> kwarg_only;      // per schema argument
   std::vector<std::string> names;    // per schema argument
   int mutated = -1;                  // in-place: the argument the op writes (and returns)
+  bool full_overlap_ok = true;        // pointwise: it may read the very tensor it writes in place
   bool several_mutated = false;      // it writes more than one argument (`_fused_adamw_`): only entries
                                      // of in-place executables run here, the others in Python
   std::vector<int> mutated_lists;    // the tensor-list arguments it writes: their version counters are
@@ -1086,9 +1092,10 @@ struct OpState final : c10::OperatorKernel {
   // to its storage's end (and one with internal overlap meets everything): CPU resizes an out= of another
   // shape in place before it checks (`ind[:1]` grows into `ind[1:]`), so the Python kernel decides exactly
   // (`_writes.overlapping`).
-  static bool spans_meet(const at::Tensor& a, const at::Tensor& b, bool out) {
+  static bool spans_meet(const at::Tensor& a, const at::Tensor& b, bool out, bool full_ok = true) {
     if (!b.defined() || b.unsafeGetTensorImpl()->is_wrapped_number()) return false;
-    if (a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl()) return out;  // (empty ones too)
+    // (empty ones too; a non-pointwise op reading the tensor it writes in place: `_writes.full_overlap_ok`)
+    if (a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl()) return out || !full_ok;
     if (a.numel() == 0) return false;
     const char* pa = static_cast<const char*>(a.data_ptr());
     const char* pb = static_cast<const char*>(b.data_ptr());
@@ -1106,15 +1113,16 @@ struct OpState final : c10::OperatorKernel {
   bool writes_overlap(const Stack& stack, size_t base) const {
     const c10::IValue& w = stack[base + mutated];
     const bool out = kinds[mutated] == OUT;
+    const bool full = full_overlap_ok;
     for (size_t i = 0; i < kinds.size(); ++i) {
       if (static_cast<int>(i) == mutated) continue;
       const c10::IValue& v = stack[base + i];
       if ((kinds[i] == TENSOR || kinds[i] == OPT_TENSOR) && v.isTensor()) {
         if (w.isTensor()) {
-          if (spans_meet(w.toTensor(), v.toTensor(), out)) return true;
+          if (spans_meet(w.toTensor(), v.toTensor(), out, full)) return true;
         } else if (w.isTensorList()) {
           for (const at::Tensor& t : w.toTensorList()) {
-            if (spans_meet(t, v.toTensor(), out)) return true;
+            if (spans_meet(t, v.toTensor(), out, full)) return true;
           }
         }
       } else if (kinds[i] == TENSORS && v.isTensorList()) {
@@ -1122,11 +1130,11 @@ struct OpState final : c10::OperatorKernel {
         if (w.isTensorList() && w.toTensorList().size() == l.size()) {
           const auto& wl = w.toTensorList();
           for (size_t j = 0; j < l.size(); ++j) {
-            if (spans_meet(wl.get(j), l.get(j), out)) return true;
+            if (spans_meet(wl.get(j), l.get(j), out, full)) return true;
           }
         } else if (w.isTensor()) {
           for (const at::Tensor& t : l) {
-            if (spans_meet(w.toTensor(), t, out)) return true;
+            if (spans_meet(w.toTensor(), t, out, full)) return true;
           }
         }
       }
@@ -1942,6 +1950,9 @@ struct SpecialKernel final : c10::OperatorKernel {
         !host(s[base + 1].toTensor(), dst, true)) {
       return false;
     }
+    // CPU's copy_ judges overlap in its TensorIterator, on the tensors it copies between; the CPU views
+    // here each have a storage of their own, so it is judged on the neuron tensors (`_special.copy_from`).
+    at::assert_no_partial_overlap(s[base + 1].toTensor(), s[base].toTensor());
     dst.copy_(src);
     c10::IValue result = s[base + 1];
     torch::jit::drop(s, n);
@@ -2002,8 +2013,10 @@ void register_special(const std::string& qualname, int which, std::vector<bool> 
 
 void register_compute(const std::string& qualname, std::vector<int> kinds, std::vector<bool> kwarg_only,
                       std::vector<std::string> names, int mutated, size_t n_returns, bool returns_list,
-                      py::object kernel, py::object lookup, std::vector<int> mutated_lists) {
+                      py::object kernel, py::object lookup, std::vector<int> mutated_lists,
+                      bool full_overlap_ok) {
   auto state = std::make_unique<OpState>();
+  state->full_overlap_ok = full_overlap_ok;
   state->several_mutated = mutated_lists.size() > 1;
   state->mutated_lists = std::move(mutated_lists);
   state->kinds = std::move(kinds);

@@ -14,6 +14,7 @@ from ..signatures import OPT_TENSOR, OpInfo, SCALAR, SCALARS, TENSOR, TENSORS, V
 from . import _decomp, _fusion, _generic, _quantized, _special
 from ._host import DEVICE
 from ._runtime import runtime
+from ._writes import full_overlap_ok
 
 #: Ops with a kernel of their own: allocation, copies, resizes (`_special`), and ops computed from other
 #: ops (`_decomp`). Every other op gets the kernel of its kind (`_generic`).
@@ -156,7 +157,8 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
     native.register_compute(qualname, kinds,
                             [a.kwarg_only for a in info.args], [a.name for a in info.args], mutated,
                             info.n_returns, info.returns_list, kernel, lookup,
-                            [i for i, a in enumerate(info.args) if a.mutable and a.kind == TENSORS])
+                            [i for i, a in enumerate(info.args) if a.mutable and a.kind == TENSORS],
+                            full_overlap_ok(info))
     return True
 
 
