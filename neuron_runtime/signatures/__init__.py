@@ -24,7 +24,6 @@ from ._ops import (
     TENSOR_KINDS,
     TENSORS,
     VALUE,
-    RANDOM,
     OpInfo,
     classify,
     cpu_ops,
@@ -61,7 +60,7 @@ from ._signature import (
 
 __all__ = [
     "FACTORY_OUT", "GENERATOR", "LIST_KINDS", "OPT_TENSOR", "OPT_TENSORS", "OTHER", "SCALAR", "SCALARS", "TENSOR",
-    "TENSORS", "TENSOR_KINDS", "VALUE", "RANDOM", "OpInfo", "SignatureError", "build_signature", "cache_key", "canonical",
+    "TENSORS", "TENSOR_KINDS", "VALUE", "OpInfo", "SignatureError", "build_signature", "cache_key", "canonical",
     "class_example", "classify", "cpu_ops", "decode_dtype", "decode_value", "describe_shapes", "encode_value",
     "flat_class", "has_nodes", "is_class", "is_flat", "is_wrapped", "kind_of", "nodes_of", "other_instance",
     "policy_allows", "qualname_of", "resolve_op", "scalar_overload", "shape_classes", "tensor_descs", "tensor_meta",

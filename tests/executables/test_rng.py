@@ -23,9 +23,9 @@ import neuron_runtime
 from neuron_runtime.aten import _runtime
 from neuron_runtime.compiler import _examples
 from neuron_runtime.compiler._reference import ReferenceCompiler
-from neuron_runtime.signatures import (RANDOM, class_example, classify, cpu_ops, has_nodes, is_class, nodes_of,
-                                      qualname_of, resolve_op)
-from neuron_runtime.signatures._ops import SEEDED_NO_DRAW
+from neuron_runtime.signatures import (class_example, classify, cpu_ops, has_nodes, is_class, nodes_of, qualname_of,
+                                      resolve_op)
+from neuron_runtime.signatures._ops import RANDOM, SEEDED_NO_DRAW
 
 from rt_helpers import DEV
 
@@ -74,7 +74,7 @@ def _candidates(op_db: list[Any]) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def random_samples() -> list[tuple[str, Callable[..., Any], Any]]:
+def random_samples() -> Iterator[list[tuple[str, Any, Any]]]:
     """(entry, its call, a float32 sample) for every OpInfo sample that draws random numbers on CPU (up to
     `SAMPLES` per entry), with `wrapper_set_seed` bypassed: it reseeds with 42 and restores the state
     afterwards, which would hide whether the user's stream moved."""
@@ -122,9 +122,13 @@ class EagerChecking(ReferenceCompiler):
 
 
 @pytest.fixture
-def checking(fresh_runtime: _runtime.Runtime, monkeypatch: pytest.MonkeyPatch) -> Iterator[EagerChecking]:
+def checking(fresh_runtime: _runtime.Runtime, monkeypatch: pytest.MonkeyPatch,
+             tmp_path: Any) -> Iterator[EagerChecking]:
+    """A runtime compiling with `EagerChecking` into a cache of its own (an entry another test compiled
+    would be a hit here, and this test's compiler would never see the op)."""
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "cache"))
     compiler = EagerChecking()
-    fresh_runtime.set_compiler(compiler)
+    _runtime.reset_runtime().set_compiler(compiler)
     yield compiler
 
 
@@ -196,27 +200,16 @@ def test_random_ops_match_cpu_in_sync_mode(random_samples: Any, checking: EagerC
 
 
 def test_random_ops_match_cpu_with_fusion(random_samples: Any, monkeypatch: pytest.MonkeyPatch,
-                                          fresh_runtime: _runtime.Runtime) -> None:
+                                          checking: EagerChecking) -> None:
     monkeypatch.setenv("TORCH_NEURONX_ENABLE_CONCATENATION", "1")
-    compiler = EagerChecking()
-    _runtime.reset_runtime().set_compiler(compiler)
+    _runtime.reset_runtime().set_compiler(checking)
     _check_all(random_samples, _eager)
-    _no_random_op_compiled(compiler)
-
-
-def test_random_ops_match_cpu_in_background_mode(random_samples: Any, monkeypatch: pytest.MonkeyPatch,
-                                                 fresh_runtime: _runtime.Runtime) -> None:
-    """Every key compiles on first sight (in the compile service's processes), so later calls run
-    executables; the values still follow the user's stream call for call."""
-    monkeypatch.setenv("TORCH_NEURONX_COMPILE_MODE", "background")
-    monkeypatch.setenv("TORCH_NEURONX_COMPILE_AFTER", "1")
-    _runtime.reset_runtime()
-    _check_all(random_samples, _eager)
-    assert neuron_runtime.stats()["compile_mode"] == "background"
+    _no_random_op_compiled(checking)
+    assert neuron_runtime.stats()["fusion"], "the fusion buffer was not in the path"
 
 
 # Entries compiled with torch.compile: one per kind of draw (Dynamo's cost is per entry).
-COMPILED = ("nn.functional.dropout", "bernoulli", "rand_like", "nn.functional.rrelu")
+COMPILED = ("nn.functional.dropout", "bernoulli")  # a tagged op without a Generator, and one with
 
 
 def test_random_ops_match_cpu_eager_inside_torch_compile(random_samples: Any, checking: EagerChecking) -> None:
@@ -278,9 +271,40 @@ def test_cnn_trains_as_on_cpu_in_sync_mode(checking: EagerChecking) -> None:
     assert "aten::native_dropout" not in checking.ops and "aten::convolution" in checking.ops
 
 
-def test_cnn_trains_as_on_cpu_in_background_mode(monkeypatch: pytest.MonkeyPatch,
-                                                 fresh_runtime: _runtime.Runtime) -> None:
+def test_random_ops_and_the_cnn_match_cpu_in_background_mode(random_samples: Any, monkeypatch: pytest.MonkeyPatch,
+                                                              fresh_runtime: _runtime.Runtime) -> None:
+    """Every key compiles on first sight (in the compile service's processes), so later calls and steps
+    run executables as they land; the values still follow the user's stream call for call."""
     monkeypatch.setenv("TORCH_NEURONX_COMPILE_MODE", "background")
     monkeypatch.setenv("TORCH_NEURONX_COMPILE_AFTER", "1")
     _runtime.reset_runtime()
+    _check_all(random_samples, _eager)
     _assert_losses_equal(cnn_losses("cpu"), cnn_losses(DEV))
+    assert neuron_runtime.stats()["compile_mode"] == "background"
+
+
+def test_megacache_load_draws_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+                                      fresh_runtime: _runtime.Runtime) -> None:
+    """Loading a Mega-Cache bundle and running its executables leaves the user's generator untouched."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "first"))
+    _runtime.reset_runtime()
+    x = torch.randn(6, 5)
+
+    def step() -> torch.Tensor:
+        return (torch.nn.functional.gelu(x.to(DEV)) * 2).sum(dim=1).cpu()
+
+    with CacheArtifactManager.with_fresh_cache():
+        want = step()
+        saved = torch.compiler.save_cache_artifacts()
+    assert saved is not None and saved[1].artifacts.get("neuron_neff")
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", str(tmp_path / "second"))
+    _runtime.reset_runtime()
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    torch.compiler.load_cache_artifacts(saved[0])
+    assert torch.equal(step(), want)
+    s = neuron_runtime.stats()
+    assert s["compiles"] == 0 and s["loads"] > 0, s
+    assert torch.equal(torch.get_rng_state(), state)
