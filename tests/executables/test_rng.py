@@ -63,9 +63,7 @@ def _candidates(op_db: list[Any]) -> list[Any]:
         name = info.name.split(".")[-1]
         packet = getattr(torch.ops.aten, info.aten_name or name, None) or getattr(torch.ops.aten, name, None)
         random_by_schema = packet is not None and hasattr(packet, "overloads") and any(
-            torch.Tag.nondeterministic_seeded in getattr(packet, o).tags or
-            any("Generator" in str(a.type) for a in getattr(packet, o)._schema.arguments)
-            for o in packet.overloads())
+            _draws(getattr(packet, o)) for o in packet.overloads())
         code = getattr(info.op, "__code__", None)
         if random_by_schema or info.name in VIA_OTHER_NAMES or \
                 (code is not None and "wrapper_set_seed" in code.co_names):
@@ -172,10 +170,6 @@ def _check_all(samples: list[tuple[str, Any, Any]], run: Callable[[Any, Any, str
     assert not bad, bad
 
 
-def _eager(info: Any, sample: Any, device: str, seed: int) -> Any:
-    return _calls(info, sample, device, seed)
-
-
 def _no_random_op_compiled(compiler: EagerChecking) -> None:
     random = sorted({q for q in compiler.ops if _draws(resolve_op(q))})
     assert not random, f"random ops reached the compiler: {random}"
@@ -194,7 +188,7 @@ def test_random_ops_are_host_ops_by_design() -> None:
 
 
 def test_random_ops_match_cpu_in_sync_mode(random_samples: Any, checking: EagerChecking) -> None:
-    _check_all(random_samples, _eager)
+    _check_all(random_samples, _calls)
     _no_random_op_compiled(checking)
     assert checking.ops, "nothing compiled: the compiler was not in the path"
 
@@ -203,7 +197,7 @@ def test_random_ops_match_cpu_with_fusion(random_samples: Any, monkeypatch: pyte
                                           checking: EagerChecking) -> None:
     monkeypatch.setenv("TORCH_NEURONX_ENABLE_CONCATENATION", "1")
     _runtime.reset_runtime().set_compiler(checking)
-    _check_all(random_samples, _eager)
+    _check_all(random_samples, _calls)
     _no_random_op_compiled(checking)
     assert neuron_runtime.stats()["fusion"], "the fusion buffer was not in the path"
 
@@ -278,7 +272,7 @@ def test_random_ops_and_the_cnn_match_cpu_in_background_mode(random_samples: Any
     monkeypatch.setenv("TORCH_NEURONX_COMPILE_MODE", "background")
     monkeypatch.setenv("TORCH_NEURONX_COMPILE_AFTER", "1")
     _runtime.reset_runtime()
-    _check_all(random_samples, _eager)
+    _check_all(random_samples, _calls)
     want = cnn_losses("cpu")
     _assert_losses_equal(want, cnn_losses(DEV))
     neuron_runtime.wait_for_compiles(120)
