@@ -67,7 +67,12 @@ def transient(e: BaseException) -> str | None:
 
 def compile_one(compiler: Compiler, sig: dict[str, Any], key: str) -> Compiled:
     """The compiler's result for one signature (never raises for the op: a failure is the result's
-    `error`), inside the profiler's compile range for `key`."""
+    `error`), inside the profiler's compile range for `key`.
+
+    It draws nothing from the user's random generators: random ops never reach a compiler (they are host
+    ops by design, `signatures._ops.RANDOM`), and the compilers draw their example values from a private
+    `torch.Generator`. So it needs no saving and restoring of the RNG state around it (`fork_rng`), which
+    on the background thread of an in-process compile would undo the user's draws made meanwhile."""
     with _profiling.compile_span(sig, key, kind_of(sig)):
         return compiler.compile_many([sig])[0]
 

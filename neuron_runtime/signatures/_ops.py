@@ -131,6 +131,20 @@ HOST = {
                   "logspace.Tensor_Tensor_out", "logspace.Tensor_Scalar_out", "logspace.Scalar_Tensor_out")},
 }
 
+# Random ops run on the host by design: they draw from the CPU generator (a pure-Python backend cannot own
+# a `torch.Generator`), so `torch.manual_seed` reproduces CPU's values on neuron, call for call, and no
+# compile ever runs one (a self-check against eager, or an executable with random numbers of its own,
+# would move or leave the user's stream). An op draws if it takes a Generator or PyTorch tags it
+# `nondeterministic_seeded` (`native_dropout` takes no Generator and draws from the global one).
+RANDOM = "random: draws from the CPU generator, so torch.manual_seed reproduces CPU"
+
+# Ops tagged `nondeterministic_seeded` that draw nothing on CPU, so they compile like any op (why each).
+SEEDED_NO_DRAW = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "tagged for its dropout_p, but CPU's flash kernel "
+                                                         "refuses dropout_p > 0 (SDPA takes the math path, "
+                                                         "whose dropout is native_dropout, then)",
+}
+
 
 @dataclasses.dataclass
 class Arg:
@@ -205,6 +219,13 @@ def _arg_kind(a: Any) -> str:
     if t == "List[number]":
         return SCALARS
     return VALUE
+
+
+def draws_random(qualname: str, op: Any, args: list[Arg]) -> bool:
+    """`op` draws random numbers (`RANDOM`): it takes a Generator, or is tagged `nondeterministic_seeded`
+    and not known to draw nothing (`SEEDED_NO_DRAW`)."""
+    return any(a.kind == GENERATOR for a in args) or (
+        torch.Tag.nondeterministic_seeded in op.tags and qualname not in SEEDED_NO_DRAW)
 
 
 def qualname_of(op: Any) -> str:
@@ -299,8 +320,8 @@ def classify(qualname: str, special: bool = True) -> OpInfo:
         info.kind = "view"
     elif qualname in HOST:
         info.kind, info.reason = "host", HOST[qualname]
-    elif any(a.kind == GENERATOR for a in args):
-        info.kind, info.reason = "host", "random: draws from the CPU generator, so torch.manual_seed reproduces CPU"
+    elif draws_random(qualname, op, args):
+        info.kind, info.reason = "host", RANDOM
     elif any(a.kind == OTHER for a in args):
         info.kind, info.reason = "host", "takes a storage or stream"
     elif any(a.name == "device" for a in args) and not any(a.kind in (TENSOR, TENSORS) for a in args):
