@@ -94,6 +94,9 @@ def wrapped_slots(signature: dict[str, Any]) -> list[tuple[int, str]]:
                     ints.append(dt)
             position += 1
 
+    if not slots:  # nothing to promote (float8 inputs cannot be: promote_types raises for them)
+        return []
+
     def widest(dtypes: list[torch.dtype], default: torch.dtype) -> str:
         out = dtypes[0] if dtypes else default
         for dt in dtypes[1:]:
