@@ -366,14 +366,14 @@ def markdown(cov: dict[str, Any]) -> str:
         lines.append("")
     refused = [(n, r) for n, r in cov["ops"].items() if r["status"] == "fallback" and r.get("fallback_ops")]
     if refused:
-        from ._skips import REFUSED_BY_DESIGN, refused_by_design
+        from ._skips import REFUSED_BY_DESIGN, REFUSED_HERE_ONLY, refused_by_design
 
         lines += ["## Refused by the compiler", "",
                   "Each op that ran an aten op on the host because the compiler refused it, and whether that "
                   "refusal is by design (the output's shape depends on the data: no compiler can build its "
                   "executable ahead of the values).", "",
                   "| op | aten op | by design | reason |", "|---|---|---|---|"]
-        lines += [f"| `{n}` | `{q}` | {REFUSED_BY_DESIGN.get(q, 'yes') if refused_by_design(q, why) else 'no'} | "
+        lines += [f"| `{n}` | `{q}` | {REFUSED_BY_DESIGN.get(q, 'yes') if refused_by_design(q, why) else REFUSED_HERE_ONLY.get(q, 'no')} | "
                   f"{_cell(why)} |" for n, r in refused for q, why in r["fallback_ops"].items()]
         lines.append("")
     fixed = [(n, q, why) for n, r in cov["ops"].items() for q, why in r.get("per_shape", {}).items()]

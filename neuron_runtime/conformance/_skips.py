@@ -91,6 +91,14 @@ REFUSED_BY_DESIGN: dict[str, str] = {
     "aten::masked_select": "output length is the number of true mask elements",
 }
 
+# Compiler refusals a Neuron compiler would not share, by aten op: why this tier refuses them.
+REFUSED_HERE_ONLY: dict[str, str] = {
+    "aten::_scaled_mm": "no: Inductor's CPU backend has no float8 code generation; Trainium2 multiplies FP8, "
+                        "so a Neuron compiler would compile it",
+    "aten::_scaled_mm_v2": "no: Inductor's CPU backend has no float8 code generation; Trainium2 multiplies FP8, "
+                           "so a Neuron compiler would compile it",
+}
+
 # Words of a refusal that say the output's shape depends on the data (see REFUSED_BY_DESIGN).
 DATA_DEPENDENT_WORDS = ("depends on the data", "DynamicOutputShapeException")
 
