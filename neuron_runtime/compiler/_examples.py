@@ -31,7 +31,7 @@ from ._reference import resolve
 
 # Run-time scalar type (from the signature) -> dtype of the 0-d tensor that carries it into the executable.
 # float64/int64 keep every Python float/int exact; the traced `.item()` gives the op the same Python type.
-SCALAR_DTYPES = {"float": torch.float64, "int": torch.int64}
+SCALAR_DTYPES = {"float": torch.float64, "int": torch.int64, "bool": torch.bool}
 # A Python number in a Tensor slot (`x * 2`): its example value by type, and the dtypes its 0-d tensor may
 # take (`wrapped_slots`), by name as artifacts record them.
 _EXAMPLE_NUMBERS = {"float": 0.5, "int": 2, "bool": True}
@@ -70,7 +70,7 @@ def example_inputs(signature: dict[str, Any], values: bool = False) -> tuple[lis
             for t in types:
                 if t not in SCALAR_DTYPES:
                     raise CompileRefused(f"{signature['op']}: argument {name} is a run-time {t} scalar; "
-                                         f"executables take only float and int scalars at run time")
+                                         f"executables take only float, int and bool scalars at run time")
                 scalar_types.append(t)
         elif kind == VALUE:
             _check_value(signature["op"], name, decode_value(desc))
@@ -102,6 +102,9 @@ def wrapped_slots(signature: dict[str, Any]) -> list[tuple[int, str]]:
                 elif not dt.is_complex and dt != torch.bool:
                     ints.append(dt)
             position += 1
+
+    if not slots:  # nothing to promote (float8 inputs cannot be: promote_types raises for them)
+        return []
 
     def widest(dtypes: list[torch.dtype], default: torch.dtype) -> str:
         out = dtypes[0] if dtypes else default

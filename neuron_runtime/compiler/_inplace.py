@@ -14,7 +14,7 @@ from ..signatures import classify, tensors_in
 from ._base import CompileRefused, Executable
 from ._examples import check_scalar_schema
 from ._reference import build_call, resolve
-from ._standins import per_element
+from ._standins import for_op
 
 
 def in_place_call(signature: dict[str, Any]) -> tuple[Executable, list[int]]:
@@ -29,7 +29,7 @@ def in_place_call(signature: dict[str, Any]) -> tuple[Executable, list[int]]:
     fsig = {k: v for k, v in signature.items() if k != "writes"}
     fsig["op"] = functional.qualname
     check_scalar_schema(functional.qualname, fop, fsig)
-    call = build_call(fsig, per_element(functional.qualname, fop, fsig) or fop, wrapped_as_tensors=True)
+    call = build_call(fsig, for_op(functional.qualname, fop, fsig) or fop, wrapped_as_tensors=True)
     # Where each written argument's tensors sit among the tensor inputs (build_call's numbering).
     at: dict[str, list[int]] = {}
     ti = 0

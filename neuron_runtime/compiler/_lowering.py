@@ -51,8 +51,27 @@ def export(qualname: str, run: Executable, n_tensors: int, inputs: list[torch.Te
     except CompileRefused:
         raise
     except Exception as e:  # noqa: BLE001 - anything export rejects is an op we cannot compile
-        what = "export with dynamic dims" if dynamic is not None else "export"
-        raise CompileRefused(f"{qualname}: {what} failed ({type(e).__name__}: {_first_line(e)[:300]})") from e
+        first = e
+    if shapes is not None:
+        # Most guards that pin a class's dim ask whether a size *derived* from it is 1 (a pooled or
+        # padded output's `H // 2 != 1`), asked by the tensor metadata export records (its memory
+        # format: "are the strides contiguous, skipping size-1 dims?"), not by the kernel. Traced again
+        # size-obliviously, those questions take the answer true of sizes >= 2 and add no guard; a real
+        # constraint (a dim that must be 2) still fails. Only a class whose plain export failed is
+        # traced so; the self-check runs it on two shapes like any class.
+        import torch.fx.experimental._config as fx_config
+
+        try:
+            with fx_config.patch(backed_size_oblivious=True):
+                ep = torch.export.export(_Op(), tuple(inputs), dynamic_shapes=shapes, strict=False)
+            log.debug("aoti: %s: exported size-obliviously (plainly: %s)", qualname, _first_line(first)[:200])
+            return ep
+        except CompileRefused:
+            raise
+        except Exception as e:  # noqa: BLE001 - the plain export's error is the one to report
+            log.debug("aoti: %s: size-oblivious export failed too (%s)", qualname, _first_line(e)[:300])
+    what = "export with dynamic dims" if dynamic is not None else "export"
+    raise CompileRefused(f"{qualname}: {what} failed ({type(first).__name__}: {_first_line(first)[:300]})") from first
 
 
 def _first_line(e: BaseException) -> str:
@@ -63,12 +82,16 @@ def _first_line(e: BaseException) -> str:
 
 def check_outputs(qualname: str, ep: Any) -> None:
     """Refuse what an executable cannot be: an output that is not a tensor, or one whose shape depends
-    on the data."""
+    on the data. An output that is None in the trace (an optional gradient `output_mask` turned off:
+    `native_layer_norm_backward`, `convolution_backward`) is None at every call: AOTInductor returns it
+    as an undefined tensor, which the runner hands back as None, as eager does."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     out = next(iter(ep.graph.find_nodes(op="output")))
     for i, node in enumerate(out.args[0]):
-        val = getattr(node, "meta", {}).get("val") if node is not None else None
+        if node is None:
+            continue
+        val = getattr(node, "meta", {}).get("val")
         if not isinstance(val, torch.Tensor):
             raise CompileRefused(f"{qualname}: output {i} is not a tensor ({type(val).__name__})")
         if free_unbacked_symbols(val):  # sizes of a shape class's dynamic dims are fine

@@ -14,7 +14,22 @@ from ..signatures import SCALAR, SCALARS
 
 def for_node(sig: dict[str, Any], op: Any) -> Any:
     """What a fused group's or graph's node (`sig`, its op `op`) is traced as: `build_graph`'s `choose`."""
-    return per_element(sig["op"], op, sig) or VIEWS.get(sig["op"], op)
+    return for_op(sig["op"], op, sig) or VIEWS.get(sig["op"], op)
+
+
+def for_op(qualname: str, op: Any, signature: dict[str, Any]) -> Any | None:
+    """What an op's call (`signature`) is traced as instead of `op` itself, or None: `per_element` for a
+    `_foreach_*` op, `_RUNTIME_SCALAR` for an op whose lowering cannot take one of its run-time scalars."""
+    found = per_element(qualname, op, signature)
+    if found is None and qualname in _RUNTIME_SCALAR:
+        name, stand_in = _RUNTIME_SCALAR[qualname]
+        if _has_runtime_scalar(signature, name):
+            found = stand_in(op)
+    return found
+
+
+def _has_runtime_scalar(signature: dict[str, Any], name: str) -> bool:
+    return any(n == name and kind == SCALAR and desc is not None for n, kind, desc in signature["args"])
 
 
 def per_element(qualname: str, op: Any, signature: dict[str, Any]) -> Any | None:
@@ -88,3 +103,63 @@ class _PerElement:
                 kw[self.scalar_kw] = pos.pop()
             outs.append(self.target(*pos, **kw))
         return outs
+
+
+# Ops whose trace or lowering cannot take one of their run-time scalars, each traced as the same computation
+# spelt so it can (`_RUNTIME_SCALAR`). `sub` and `index_add`: the decomposition asks `alpha != 1` (to skip
+# a multiply), which a run-time alpha cannot answer at trace time ("Could not guard on data-dependent
+# expression Ne(zuf0, 1.0)"); the multiply is always done (exact for alpha = 1: x * 1 is x).
+class _SubAsAdd:
+    """`sub(a, b, alpha)` as `add(a, b, alpha=-alpha)`: what ATen's CPU kernel computes (`sub_out` calls
+    the add kernel with -alpha), and `add`'s lowering takes a symbolic alpha. Bool inputs, which `sub`
+    refuses and `add` would not, go to `sub` itself."""
+
+    def __init__(self, op: Any) -> None:
+        self._schema = op._schema
+        self._aten = op
+
+    def __call__(self, a: Any, b: Any, alpha: Any = 1) -> torch.Tensor:
+        if any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (a, b)):
+            return self._aten(a, b, alpha=alpha)
+        return torch.ops.aten.add.Tensor(a, b, alpha=-alpha)
+
+
+class _IndexAddScaled:
+    """`index_add(self, dim, index, source, alpha)` as `index_add(self, dim, index, source * alpha)`: the
+    decomposition's own computation for alpha != 1 (`tensor = tensor * alpha`)."""
+
+    def __init__(self, op: Any) -> None:
+        self._schema = op._schema
+        self._aten = op
+
+    def __call__(self, x: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
+                 alpha: Any = 1) -> torch.Tensor:
+        if x.dtype == torch.bool:
+            return self._aten(x, dim, index, source, alpha=alpha)
+        return self._aten(x, dim, index, source * alpha)
+
+
+class _FillFromTensor:
+    """`fill(self, value)` of a complex tensor as `fill(self, <value as a 0-d tensor>)`: Inductor lowers a
+    complex `full` only from a constant (an AssertionError for a symbolic value); `fill.Tensor` converts
+    the 0-d tensor's value to self's dtype as `fill.Scalar` converts the Scalar. Other dtypes lower as
+    they are."""
+
+    def __init__(self, op: Any) -> None:
+        self._schema = op._schema
+        self._aten = op
+
+    def __call__(self, x: torch.Tensor, value: Any) -> torch.Tensor:
+        if not x.is_complex():
+            return self._aten(x, value)
+        dtype = (torch.bool if isinstance(value, (bool, torch.SymBool)) else
+                 torch.float64 if isinstance(value, (float, torch.SymFloat)) else torch.int64)
+        return torch.ops.aten.fill.Tensor(x, torch.scalar_tensor(value, dtype=dtype))
+
+
+# op -> (the run-time scalar argument it cannot take as it is, the stand-in used when it is run-time)
+_RUNTIME_SCALAR: dict[str, tuple[str, Any]] = {
+    "aten::sub.Tensor": ("alpha", _SubAsAdd),
+    "aten::index_add": ("alpha", _IndexAddScaled),
+    "aten::fill.Scalar": ("value", _FillFromTensor),
+}

@@ -242,7 +242,8 @@ def coverage_map(tier: str, results: dict[str, dict[str, Any]], missing: list[st
     counts = {s: sum(1 for r in ops.values() if r["status"] == s) for s in STATUSES}
     total = len(ops)
     matched = counts["compiled"] + counts["fallback"]
-    by_design = sum(1 for r in ops.values() if r["status"] == "fallback" and not r.get("fallback_ops"))
+    by_design = sum(1 for r in ops.values() if r["status"] == "fallback" and _by_design(r))
+    compilable = total - counts["skipped"] - by_design
     summary: dict[str, Any] = {
         "ops": total,
         **counts,
@@ -251,6 +252,8 @@ def coverage_map(tier: str, results: dict[str, dict[str, Any]], missing: list[st
         "matched_pct_of_run": round(100.0 * matched / (total - counts["skipped"]), 2)
         if total - counts["skipped"] else 0.0,
         "compiled_pct": round(100.0 * counts["compiled"] / total, 2) if total else 0.0,
+        # of the ops a compiler could compile: neither skipped nor on the host by design
+        "compiled_pct_of_compilable": round(100.0 * counts["compiled"] / compilable, 2) if compilable else 0.0,
         "fallback_host_by_design": by_design,
         "fallback_compiler_refused": counts["fallback"] - by_design,
         "shapes": os.environ.get("TORCH_NEURONX_SHAPES", "auto").lower(),
@@ -302,6 +305,14 @@ def dtype_summary(ops: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "cuda_only": _tally(cuda_only)}
 
 
+def _by_design(r: dict[str, Any]) -> bool:
+    """A fallback op that ran on the host by design: a host op (random, ...) or refusals any compiler of
+    aten ops would make (`_skips.refused_by_design`: the output's shape depends on the data)."""
+    from ._skips import refused_by_design
+
+    return all(refused_by_design(op, why) for op, why in r.get("fallback_ops", {}).items())
+
+
 def markdown(cov: dict[str, Any]) -> str:
     s = cov["summary"]
     lines = [f"# op_db coverage on `neuron`, tier `{cov['tier']}`", ""]
@@ -320,7 +331,10 @@ def markdown(cov: dict[str, Any]) -> str:
         f"| {s['ops']} | {s['compiled']} | {s['fallback']} | {s['mismatch']} | {s['error']} | {s['skipped']} | "
         f"{s['matched_pct']} % | {s['compiled_pct']} % |", "",
         f"`fallback`: {s['fallback_host_by_design']} ops ran an aten op on the host by design (random ops, "
-        f"data-dependent shapes, ...), {s['fallback_compiler_refused']} because the compiler refused one.", "",
+        f"data-dependent shapes, ...), {s['fallback_compiler_refused']} because the compiler refused one."
+        + (f" Of the {s['ops'] - s['skipped'] - s['fallback_host_by_design']} ops neither skipped nor on the host "
+           f"by design, {s['compiled_pct_of_compilable']} % compiled." if "compiled_pct_of_compilable" in s else ""),
+        "",
     ]
     if s.get("cuda_only", {}).get("checks"):
         c = s["cuda_only"]
@@ -349,6 +363,18 @@ def markdown(cov: dict[str, Any]) -> str:
         lines += ["## Mismatches and errors", "", "| op | status | reason | known cause |", "|---|---|---|---|"]
         lines += [f"| `{n}` | {r['status']} | {_cell(r.get('reason', ''))} | {_cell(KNOWN_FAILURES.get(n, ''))} |"
                   for n, r in bad]
+        lines.append("")
+    refused = [(n, r) for n, r in cov["ops"].items() if r["status"] == "fallback" and r.get("fallback_ops")]
+    if refused:
+        from ._skips import REFUSED_BY_DESIGN, REFUSED_HERE_ONLY, refused_by_design
+
+        lines += ["## Refused by the compiler", "",
+                  "Each op that ran an aten op on the host because the compiler refused it, and whether that "
+                  "refusal is by design (the output's shape depends on the data: no compiler can build its "
+                  "executable ahead of the values).", "",
+                  "| op | aten op | by design | reason |", "|---|---|---|---|"]
+        lines += [f"| `{n}` | `{q}` | {REFUSED_BY_DESIGN.get(q, 'yes') if refused_by_design(q, why) else REFUSED_HERE_ONLY.get(q, 'no')} | "
+                  f"{_cell(why)} |" for n, r in refused for q, why in r["fallback_ops"].items()]
         lines.append("")
     fixed = [(n, q, why) for n, r in cov["ops"].items() for q, why in r.get("per_shape", {}).items()]
     if fixed:

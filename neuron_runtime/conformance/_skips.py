@@ -77,3 +77,32 @@ def cuda_only_dtypes(op: object) -> list[torch.dtype]:
 def cpu_dtypes(op: object) -> list[torch.dtype]:
     """Every dtype the op's CPU entry lists."""
     return sorted(op.supported_dtypes("cpu"), key=str)  # type: ignore[attr-defined]
+
+# Compiler refusals a Neuron compiler would make too, by aten op (the refusal's op, not the op_db entry):
+# the outputs' shapes depend on the input values, so no executable compiled ahead of the data can hold
+# them. These ops run on the host as random ops do, and the coverage map counts them as host by design.
+# (A refusal whose reason says the shape depends on the data is counted so too, whatever its op.)
+REFUSED_BY_DESIGN: dict[str, str] = {
+    "aten::bincount": "output length is the input's largest value + 1",
+    "aten::linalg_lstsq": "residuals are empty or not depending on the matrix's computed rank",
+    "aten::linalg_lstsq.out": "residuals are empty or not depending on the matrix's computed rank",
+    "aten::_ctc_loss": "PyTorch gives it no shape function (tagged dynamic_output_shape): log_alpha's "
+                       "length is the longest target's",
+    "aten::masked_select": "output length is the number of true mask elements",
+}
+
+# Compiler refusals a Neuron compiler would not share, by aten op: why this tier refuses them.
+REFUSED_HERE_ONLY: dict[str, str] = {
+    "aten::_scaled_mm": "no: Inductor's CPU backend has no float8 code generation; Trainium2 multiplies FP8, "
+                        "so a Neuron compiler would compile it",
+    "aten::_scaled_mm_v2": "no: Inductor's CPU backend has no float8 code generation; Trainium2 multiplies FP8, "
+                           "so a Neuron compiler would compile it",
+}
+
+# Words of a refusal that say the output's shape depends on the data (see REFUSED_BY_DESIGN).
+DATA_DEPENDENT_WORDS = ("depends on the data", "DynamicOutputShapeException")
+
+
+def refused_by_design(op: str, why: str) -> bool:
+    """Whether a compiler refusal of `op` (with reason `why`) is one any compiler of aten ops would make."""
+    return op in REFUSED_BY_DESIGN or any(w in why for w in DATA_DEPENDENT_WORDS)
