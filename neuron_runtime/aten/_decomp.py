@@ -78,12 +78,21 @@ def _via_functional(qualname: str, functional: str) -> Callable[..., Any]:
     return kernel
 
 
+# Factories filled on the host, not compiled: their output size is their arguments' values, so each new
+# length was a new key (a decode loop's `arange(past, past + n)`: one compile per token, issue 43) that no
+# shape class can cover. Filling a range on the host costs less than one compile, and equals CPU's.
+_HOST_FACTORIES = frozenset({"arange", "arange.start_step"})
+
+
 def _factory_out(functional: str) -> Callable[..., Any]:
     """`arange.out(end, *, out)` and friends: the functional factory (`arange(end, *, dtype, ...)`) as a
     compiled op on the host, then `out` resized and filled, as `*.out` does."""
     cell: list[Callable[..., Any]] = []
 
     def kernel(*args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if functional in _HOST_FACTORIES:  # filled on the host: see _HOST_FACTORIES
+            copy_back_out(out, torch.arange(*args, dtype=out.dtype, **kwargs))
+            return out
         if not cell:
             info = classify(f"aten::{functional}", special=False)
             info.kind, info.reason = "compute", ""  # classify() calls a device factory "host"

@@ -46,6 +46,7 @@ from ..signatures import (
     has_nodes,
     is_class,
     is_flat,
+    is_packed,
     kind_of,
     other_instance,
 )
@@ -418,8 +419,8 @@ class AotiCompiler(Compiler):
         t1 = time.perf_counter()
         job.add("packaging", t1 - t0)
         others = list(job.others)
-        if job.cls is not None and is_flat(job.cls):
-            # the shape it was made from: the flat views and the views back
+        if job.cls is not None and (is_flat(job.cls) or is_packed(job.cls)):
+            # the shape it was made from: the flat views and the views back, or the slices copied
             example = job.cls["example"]
             others.append(_examples.graph_inputs(example) if has_nodes(job.exact) else example)
         for shape in [job.flat, *others]:
@@ -503,6 +504,10 @@ class AotiCompiler(Compiler):
         flat = is_flat(meta["signature"])
         if flat:
             exe = _runner.flat_executable(exe)
+        if is_packed(meta["signature"]):
+            # A packed class's kernel takes contiguous inputs: the slices are copied first
+            # (`_runner.packed_executable`), which the native path's direct runner call would not do.
+            return _runner.packed_executable(exe)
         writes_at = [int(i) for i in meta.get("writes_at", [])]
         if writes_at:
             exe = _inplace.InPlace(exe, writes_at, meta["signature"])

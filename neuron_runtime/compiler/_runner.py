@@ -1,6 +1,6 @@
 """What `AotiCompiler.load` returns: AOTInductor's container runner over an artifact's `.so`, called as
 `exe(tensors, scalars)` with as little Python as a call can have (`make_executable`), and a flat class's
-executable around it (`flat_executable`)."""
+executable around it (`flat_executable`), and a packed class's (`packed_executable`)."""
 
 from __future__ import annotations
 
@@ -112,3 +112,13 @@ def flat_executable(inner: Executable) -> Executable:
         return [o.as_strided(sizes, strides) if o is not None else o for o in inner(flat, scalars)]
     exe_flat.loader = getattr(inner, "loader", None)  # type: ignore[attr-defined]
     return exe_flat
+
+
+def packed_executable(inner: Executable) -> Executable:
+    """A packed class's executable (signatures' packed-slice rule): its kernel was compiled for contiguous
+    inputs, and the class serves small row slices of any row stride, so each input that is not contiguous
+    is handed over as a contiguous copy (at most `PACK_MAX_NUMEL` elements: cheaper than a compile)."""
+    def exe_packed(tensors: Sequence[Any], scalars: Sequence[Any]) -> Sequence[torch.Tensor]:
+        return inner([t.contiguous() if isinstance(t, torch.Tensor) else t for t in tensors], scalars)
+    exe_packed.loader = getattr(inner, "loader", None)  # type: ignore[attr-defined]
+    return exe_packed

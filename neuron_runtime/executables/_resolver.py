@@ -27,7 +27,7 @@ from typing import Any
 from .. import _config, _profiling
 from ..cache import CacheMissError, TieredCache
 from ..compiler import Compiled, CompileRefused, Compiler, Executable, PhaseTimes, get_compiler
-from ..signatures import cache_key, canonical, is_class, is_flat, kind_of, policy_allows, shape_classes
+from ..signatures import cache_key, canonical, is_class, is_flat, is_packed, kind_of, policy_allows, shape_classes
 from . import _entries, _megacache
 
 log = logging.getLogger(__name__)
@@ -471,7 +471,7 @@ class Resolver:
 def _label(exe: Executable, key: str, sig: dict[str, Any]) -> None:
     """How the profiler's device track names this executable's runs (`_native/trace.h`): its op (or fused
     group, graph), key, kind and shape class."""
-    shape_class = ("flat" if is_flat(sig) else "ranked") if is_class(sig) else "exact"
+    shape_class = ("flat" if is_flat(sig) else "packed" if is_packed(sig) else "ranked") if is_class(sig) else "exact"
     try:
         exe.__neuron_trace__ = (str(sig.get("op", "?")), key, kind_of(sig), shape_class)  # type: ignore[attr-defined]
     except (AttributeError, TypeError):  # an executable that takes no attributes runs unnamed

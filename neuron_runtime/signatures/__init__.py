@@ -47,6 +47,7 @@ from ._shapes import (
     policy_allows,
     tensor_descs,
 )
+from ._packed import PACK_MAX_NUMEL, is_packed
 from ._signature import (
     SignatureError,
     build as build_signature,
@@ -63,10 +64,10 @@ from ._signature import (
 
 __all__ = [
     "FACTORY_OUT", "GENERATOR", "LIST_KINDS", "OPT_TENSOR", "OPT_TENSORS", "OTHER", "SCALAR", "SCALARS", "TENSOR",
-    "TENSORS", "TENSOR_KINDS", "VALUE", "OpInfo", "SignatureError", "build_signature", "cache_key", "canonical",
+    "TENSORS", "TENSOR_KINDS", "VALUE", "PACK_MAX_NUMEL", "OpInfo", "SignatureError", "build_signature", "cache_key", "canonical",
     "canonical_signature", "canonical_strides",
     "class_example", "classify", "cpu_ops", "decode_dtype", "decode_value", "describe_shapes", "encode_value",
-    "flat_class", "has_nodes", "is_class", "is_flat", "is_wrapped", "kind_of", "nodes_of", "other_instance",
+    "flat_class", "has_nodes", "is_class", "is_flat", "is_packed", "is_wrapped", "kind_of", "nodes_of", "other_instance",
     "policy_allows", "qualname_of", "resolve_op", "scalar_overload", "shape_classes", "tensor_descs", "tensor_meta",
     "tensors_in",
 ]

@@ -39,6 +39,8 @@ import math
 import re
 from typing import Any
 
+from ._packed import PACKED_VERSION, _dense, is_packed, pack
+
 CLASS_VERSION = 1
 ANY = "*"  # the stride of a size-1 dim: never used to address memory
 
@@ -186,10 +188,25 @@ def shape_class(sig: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def classes(sig: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every class signature that may serve `sig`, most general first: its flat class (if any), then its
-    ranked class (if any; a refused flat class falls back to it, and a runtime that had no flat classes
+    """Every class signature that may serve `sig`, most general first: its flat class (if any), its packed
+    class (if any: small row slices of any row stride, `_packed`), then its ranked class (if any; a refused flat class falls back to it, and a runtime that had no flat classes
     left its entries under it)."""
-    return [c for c in (flat_class(sig), ranked_class(sig)) if c is not None]
+    return [c for c in (flat_class(sig), packed_class(sig), ranked_class(sig)) if c is not None]
+
+
+def packed_class(sig: dict[str, Any]) -> dict[str, Any] | None:
+    """The packed class of `sig` (the packed-slice rule, `_packed`: small row slices described contiguous,
+    then made symbolic as any class; the packed signature itself where no size can be), or None where the
+    rule does not apply."""
+    if is_class(sig):
+        return None
+    packed = pack(sig)
+    if packed is None:
+        return None
+    cls = _symbolic(packed) or {**packed, "shapes": CLASS_VERSION}
+    cls["packed"] = PACKED_VERSION
+    cls["example"] = sig
+    return cls
 
 
 def ranked_class(sig: dict[str, Any]) -> dict[str, Any] | None:
@@ -505,16 +522,6 @@ def elementwise(qualname: str) -> bool:
     return torch.Tag.pointwise in op.tags
 
 
-def _dense(sizes: list[int], strides: list[int]) -> bool:
-    """Non-overlapping and dense: the elements fill `numel` consecutive positions of memory."""
-    expected = 1
-    for i in sorted((i for i in range(len(sizes)) if sizes[i] != 1), key=lambda i: strides[i]):
-        if strides[i] != expected:
-            return False
-        expected *= sizes[i]
-    return True
-
-
 def flat_layout(sig: dict[str, Any]) -> tuple[list[int], list[int]] | None:
     """(sizes, strides) every tensor of `sig` has, if the rank-collapse rule applies to it: an elementwise
     op (`elementwise`), or a fused group of them (every node's tensors, the intermediates' included);
@@ -571,6 +578,10 @@ def is_flat(sig: dict[str, Any]) -> bool:
 def example(cls: dict[str, Any]) -> dict[str, Any]:
     """The exact signature a class compiles from: its example, flattened for a flat class."""
     ex: dict[str, Any] = cls["example"]
+    if is_packed(cls):  # the packed-slice rule (_packed): its slices described contiguous
+        packed = pack(ex)
+        assert packed is not None, "a packed class is only made where its example packs"
+        return packed
     return flatten(ex) if is_flat(cls) else ex
 
 
@@ -587,7 +598,7 @@ def symbols(cls: dict[str, Any]) -> dict[str, int]:
 def instance(cls: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
     """The exact signature of the class for symbol values `env` (a size-1 dim gets a contiguous stride);
     for a flat class, the flat (1-D) signature its kernel is called with."""
-    sig = _copy({k: v for k, v in cls.items() if k not in ("shapes", "example", "flat")})
+    sig = _copy({k: v for k, v in cls.items() if k not in ("shapes", "example", "flat", "packed")})
     for d in tensor_descs(sig):
         sizes = [env[s] if isinstance(s, str) else s for s in d["sizes"]]
         strides = [_evaluate(e, env, 1) for e in d["strides"]]

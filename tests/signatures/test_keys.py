@@ -99,3 +99,29 @@ def test_a_class_and_a_record_of_an_older_runtime_key_as_this_runtimes_calls() -
                for n in range(9, 20)]
     assert all(len(c) == 1 for c in classes)
     assert len({_signature.cache_key(c[0], {}) for c in classes}) == 1
+
+
+def packed_key(op: str, *values: object) -> str | None:
+    cls = _shapes.packed_class(sig_of(op, *values))
+    return None if cls is None else _signature.cache_key(cls, {})
+
+
+def test_small_row_slices_of_any_row_stride_share_one_packed_class() -> None:
+    # Batch 4 with left padding: `ids[:, -1:]` is a [4, 1] slice whose row stride is the buffer's width,
+    # one more every token; its packed class describes it contiguous, so every width finds one executable.
+    one = torch.ones(1, 1, dtype=torch.long)
+    keys = {packed_key("aten::add.Tensor", one, torch.zeros(4, w, dtype=torch.long)[:, -1:], 1) for w in (8, 9, 30)}
+    keys |= {packed_key("aten::add.Tensor", one, torch.zeros(4, 1, dtype=torch.long), 1)}  # no: not a slice
+    assert len(keys) == 2 and None in keys
+    cls = _shapes.packed_class(sig_of("aten::add.Tensor", one, torch.zeros(4, 9, dtype=torch.long)[:, -1:], 1))
+    assert cls is not None and _shapes.example(cls)["args"][1][2]["strides"] == [1, 1]
+    assert _shapes.other_instance(cls)["args"][1][2]["strides"] == [1, 1]
+    assert _shapes.classes(sig_of("aten::add.Tensor", one, torch.zeros(4, 9, dtype=torch.long)[:, -1:], 1))[0] == cls
+
+
+def test_what_a_packed_class_must_not_serve() -> None:
+    big = torch.zeros(8, 1024)[:, :600]  # 4800 elements: over the copy bound, keeps its literal-stride class
+    assert packed_key("aten::neg", big) is None and packed_key("aten::neg", torch.zeros(8, 64)[:, :60]) is not None
+    assert packed_key("aten::neg", torch.zeros(64, 8)[:, :6].t()) is None  # not row-major: a copy reorders
+    assert packed_key("aten::neg_", torch.zeros(4, 9)[:, -1:]) is None  # writes its argument
+    assert packed_key("aten::alias", torch.zeros(4, 9)[:, -1:]) is None  # returns a view of it
