@@ -503,6 +503,8 @@ c10::Scalar wrapped_value(const at::Tensor& t) {
 // flat shape class (neuron_runtime/signatures/_shapes.py, the rank-collapse rule), a 1-D kernel called on 1-D views
 // of the inputs (which all have the same sizes and dense strides), its outputs viewed back with the first
 // input's sizes and strides; inputs already 1-D and contiguous are passed as they are.
+// `packed`: the kernel of a packed class (signatures/_packed.py: small row slices of any row stride), compiled
+// for contiguous inputs: an input that is not contiguous is copied first (at most PACK_MAX_NUMEL elements).
 // `written`: an in-place kernel's inputs it stores into (compiler/_inplace.py, `InPlace`); it was compiled
 // for inputs that do not overlap, so a call where one of them shares a byte with another input does not
 // run here (`overlaps`): the Python executable runs the in-place aten op on the host for it.
@@ -511,6 +513,7 @@ struct AotiCall {
   std::vector<c10::ScalarType> scalar_dtypes;
   std::vector<std::pair<size_t, c10::ScalarType>> wrapped;
   bool flat = false;
+  bool packed = false;
   std::vector<size_t> written;
 
   // Read from the executable; stays unset (runner null) for anything else, e.g. a runner type this
@@ -528,6 +531,7 @@ struct AotiCall {
       }
       if (t.size() > 3) flat = t[3].cast<bool>();
       if (t.size() > 4) written = t[4].cast<std::vector<size_t>>();
+      if (t.size() > 5) packed = t[5].cast<bool>();
     } catch (const std::exception&) {
       *this = AotiCall();
     }
@@ -580,6 +584,11 @@ struct AotiCall {
       if (t.unsafeGetTensorImpl()->is_wrapped_number()) return false;  // a slot the artifact does not know
     }
     if (!written.empty() && overlaps(in)) return false;
+    if (packed) {
+      for (at::Tensor& t : in) {
+        if (t.dim() > 0 && !t.is_contiguous()) t = t.contiguous();
+      }
+    }
     at::Tensor first;  // flat: the input the outputs take their sizes and strides from
     if (flat) {
       for (at::Tensor& t : in) {

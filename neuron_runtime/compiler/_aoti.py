@@ -504,10 +504,9 @@ class AotiCompiler(Compiler):
         flat = is_flat(meta["signature"])
         if flat:
             exe = _runner.flat_executable(exe)
-        if is_packed(meta["signature"]):
-            # A packed class's kernel takes contiguous inputs: the slices are copied first
-            # (`_runner.packed_executable`), which the native path's direct runner call would not do.
-            return _runner.packed_executable(exe)
+        packed = is_packed(meta["signature"])
+        if packed:  # its kernel takes contiguous inputs: the slices are copied first (the native path too)
+            exe = _runner.packed_executable(exe)
         writes_at = [int(i) for i in meta.get("writes_at", [])]
         if writes_at:
             exe = _inplace.InPlace(exe, writes_at, meta["signature"])
@@ -515,8 +514,9 @@ class AotiCompiler(Compiler):
         # tensor of these dtypes; numbers in tensor slots (by index) as 0-d tensors of theirs; and whether
         # the kernel is a flat class's (inputs viewed 1-D, outputs viewed back).
         # And for an in-place kernel, the inputs it stores into (the native path checks they overlap
-        # nothing else before it calls the runner, as `_inplace.InPlace` does).
+        # nothing else before it calls the runner, as `_inplace.InPlace` does); and whether it is a packed
+        # class's (inputs that are not contiguous copied first, as `_runner.packed_executable` does).
         scalar_dtypes = [_examples.SCALAR_DTYPES[t] for t in meta["scalar_types"]]
         exe.__neuron_aoti__ = (loader, scalar_dtypes,  # type: ignore[attr-defined]
-                               [(i, _examples.WRAPPED_DTYPES[d]) for i, d in wrapped], flat, writes_at)
+                               [(i, _examples.WRAPPED_DTYPES[d]) for i, d in wrapped], flat, writes_at, packed)
         return exe
