@@ -43,8 +43,8 @@ def export(qualname: str, run: Executable, n_tensors: int, inputs: list[torch.Te
     shapes: Any = None
     if dynamic is not None:
         dims: dict[str, Any] = {}
-        specs: list[Any] = [{i: dims.setdefault(n, torch.export.Dim(n, min=getattr(n, "minimum", 2))) for i, n in enumerate(sizes)
-                             if isinstance(n, str)} or None for sizes in dynamic]
+        specs: list[Any] = [{i: dims.setdefault(n, torch.export.Dim(n, min=getattr(n, "minimum", 2)))
+                             for i, n in enumerate(sizes) if isinstance(n, str)} or None for sizes in dynamic]
         specs += [None] * (len(inputs) - len(specs))
         shapes = (tuple(specs),)
     try:
