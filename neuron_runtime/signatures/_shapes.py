@@ -224,14 +224,15 @@ def _minimums(cls: dict[str, Any]) -> dict[str, int]:
     example's sizes) is above 2, with that size: found by bisection between 2 and the example's size
     (validity grows with the size for the ops this serves; an op where it does not gets a minimum export
     cannot prove, and its class is refused as before). Ops whose shape rule is broadcasting alone, fused
-    groups and ops without meta kernels have none. Cached per class (a probe is tens of microseconds)."""
+    groups and ops without meta kernels have none. Cached per class (the sizes abstracted: a probe costs
+    0.1-0.3 ms, a new length must cost a lookup), found again for an example below a cached minimum."""
     qualname = str(cls.get("op", ""))
     if has_nodes(cls) or elementwise(qualname) or qualname.startswith("aten::_foreach_"):
         return {}
     values = symbols(cls)
-    key = json.dumps([{k: v for k, v in cls.items() if k != "example"}, values], sort_keys=True, default=str)
-    found = _MIN_CACHE.get(key)
-    if found is not None:
+    key = json.dumps({k: v for k, v in cls.items() if k != "example"}, sort_keys=True, default=str)
+    found = _MIN_CACHE.get(key)  # one lookup: another thread may clear the dict meanwhile
+    if found is not None and all(values[s] >= n for s, n in found.items()):
         return dict(found)
     from ._ops import resolve_op
 
