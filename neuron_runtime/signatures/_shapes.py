@@ -12,7 +12,7 @@ kernel depends on:
   3. a size the op ties to an integer it takes as a size argument (schema type `SymInt`: a `view`'s
      target sizes, `normalized_shape`, `num_weights`) stays literal: the kernel is specialised on it
      anyway (found the same way: no set of sizes including it can change; for a fused group, any size
-     equal to such an integer);
+     equal to such an integer); so do adaptive pooling's input spatial sizes (`_INNER_STATIC`);
   4. the sizes inside a slice's row (dims whose strides come before a stride no product of inner sizes
      explains, e.g. the head dim of `qkv[..., :64]`) stay literal: export bounds them by that stride;
   5. strides are kept as expressions of the sizes (`1`, `s1`, `96*s0`): found as torch's own stride
@@ -295,8 +295,9 @@ def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
     for d in tensor_descs(sig):
         gaps |= _inside_gaps(list(d["sizes"]), list(d["strides"]))
     # Positions (tensor, dim) that may be symbolic: sizes 0 and 1 and sizes inside a slice's row stay.
+    inner = _INNER_STATIC.get(str(sig.get("op", "")), 0)
     positions = [(t, i) for t, d in enumerate(tensor_descs(sig)) for i, n in enumerate(d["sizes"])
-                 if n >= 2 and n not in gaps]
+                 if n >= 2 and n not in gaps and not (t == 0 and i >= len(d["sizes"]) - inner)]
     groups = _needed(sig, positions) if not has_nodes(sig) else None
     if groups is None:  # the older rule: equal sizes share a symbol; sizes equal to size arguments stay
         fixed = _static_sizes(sig)
@@ -337,6 +338,16 @@ def _conv_tied(sig: dict[str, Any], groups: list[list[tuple[int, int]]]) -> list
         if a is not None and b is not None and a is not b:
             groups = sorted([g for g in groups if g is not a and g is not b] + [sorted(a + b)])
     return groups
+
+
+# Ops whose kernel's code depends on the input's innermost sizes (how many stay literal, as rule 3 keeps a
+# size argument): adaptive pooling's window bounds are loop bounds, and Inductor's lowering reads those
+# sizes as ints (`guard_int(h_in)`), a guard AOTInductor drops, so a class generic over them was wrong at
+# its second shape (the self-check refused it: one compile per shape). The batch and channels stay free.
+_INNER_STATIC: dict[str, int] = {
+    "aten::_adaptive_avg_pool2d": 2, "aten::adaptive_max_pool2d": 2,
+    "aten::_adaptive_avg_pool3d": 3, "aten::adaptive_max_pool3d": 3,
+}
 
 
 def _with_symbols(sig: dict[str, Any], groups: list[list[tuple[int, int]]]) -> dict[str, Any] | None:

@@ -34,6 +34,9 @@ def test_a_class_keeps_the_minimum_sizes_the_op_needs_and_admits_nothing_below()
     # ops with no lower bound keep classes without the entry (their keys unchanged)
     mm = _shapes.ranked_class(sig_of("aten::mm", torch.randn(3, 9), torch.randn(9, 4)))
     assert mm is not None and _shapes.MINIMUMS not in mm
+    # adaptive pooling keeps its input's spatial sizes (its kernel's loop bounds), batch and channels free
+    pool = _shapes.ranked_class(sig_of("aten::adaptive_max_pool2d", torch.randn(3, 4, 7, 9), [2, 3]))
+    assert pool is not None and _shapes.describe(pool) == "[s0,s1,7,9]"
 
 
 def test_a_class_with_a_minimum_exports_generic() -> None:
