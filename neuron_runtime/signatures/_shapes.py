@@ -297,7 +297,7 @@ def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
     # Positions (tensor, dim) that may be symbolic: sizes 0 and 1 and sizes inside a slice's row stay.
     inner = _INNER_STATIC.get(str(sig.get("op", "")), 0)
     positions = [(t, i) for t, d in enumerate(tensor_descs(sig)) for i, n in enumerate(d["sizes"])
-                 if n >= 2 and n not in gaps and not (t == 0 and i >= len(d["sizes"]) - inner)]
+                 if n >= 2 and n not in gaps and not (t == 0 and (inner is None or i >= len(d["sizes"]) - inner))]
     groups = _needed(sig, positions) if not has_nodes(sig) else None
     if groups is None:  # the older rule: equal sizes share a symbol; sizes equal to size arguments stay
         fixed = _static_sizes(sig)
@@ -344,9 +344,13 @@ def _conv_tied(sig: dict[str, Any], groups: list[list[tuple[int, int]]]) -> list
 # size argument): adaptive pooling's window bounds are loop bounds, and Inductor's lowering reads those
 # sizes as ints (`guard_int(h_in)`), a guard AOTInductor drops, so a class generic over them was wrong at
 # its second shape (the self-check refused it: one compile per shape). The batch and channels stay free.
-_INNER_STATIC: dict[str, int] = {
+# None: every dim of the first tensor, which rule 3 would keep but probing cannot find (the meta kernel
+# does not check it): `unfold_backward`'s gradient is `input_sizes` (a SymInt[]) with the unfolded dim
+# made `(input_sizes[dim] - size) // step + 1` and `size` appended, so no size of it is free.
+_INNER_STATIC: dict[str, int | None] = {
     "aten::_adaptive_avg_pool2d": 2, "aten::adaptive_max_pool2d": 2,
     "aten::_adaptive_avg_pool3d": 3, "aten::adaptive_max_pool3d": 3,
+    "aten::unfold_backward": None,
 }
 
 

@@ -37,6 +37,9 @@ def test_a_class_keeps_the_minimum_sizes_the_op_needs_and_admits_nothing_below()
     # adaptive pooling keeps its input's spatial sizes (its kernel's loop bounds), batch and channels free
     pool = _shapes.ranked_class(sig_of("aten::adaptive_max_pool2d", torch.randn(3, 4, 7, 9), [2, 3]))
     assert pool is not None and _shapes.describe(pool) == "[s0,s1,7,9]"
+    # unfold_backward's gradient is fixed by its input_sizes argument: no class (rule 3)
+    grad = torch.randn(3, 4, 2)  # x of [3, 9] unfolded along dim 1 by size 2, step 2
+    assert _shapes.ranked_class(sig_of("aten::unfold_backward", grad, [3, 9], 1, 2, 2)) is None
 
 
 def test_a_class_with_a_minimum_exports_generic() -> None:
