@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..signatures import (
+    MINIMUMS,
     SCALAR,
     SCALARS,
     TENSOR,
@@ -177,11 +178,24 @@ def check_scalar_schema(qualname: str, op: Any, signature: dict[str, Any]) -> No
                                  "keyed by value")
 
 
+class Symbol(str):
+    """A class's symbol name with the smallest size it takes (`minimum`: 2, or the class's minimum)."""
+    minimum: int = 2
+
+
+def _symbol(name: str, minimum: int) -> Symbol:
+    s = Symbol(name)
+    s.minimum = minimum
+    return s
+
+
 def dynamic_dims(cls: dict[str, Any]) -> list[list[Any]]:
-    """The sizes (ints, symbol names) of each tensor input of a class, in `example_inputs` order."""
+    """The sizes (ints, `Symbol`s) of each tensor input of a class, in `example_inputs` order."""
+    low = cls.get(MINIMUMS) or {}
     out: list[list[Any]] = []
     for _, kind, desc in cls["args"]:
-        out.extend([] if is_wrapped(d) else list(d["sizes"]) for d in tensors_in(kind, desc))
+        out.extend([] if is_wrapped(d) else [_symbol(n, max(2, low.get(n, 2))) if isinstance(n, str) else n
+                                             for n in d["sizes"]] for d in tensors_in(kind, desc))
     return out
 
 

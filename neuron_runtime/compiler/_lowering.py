@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 def export(qualname: str, run: Executable, n_tensors: int, inputs: list[torch.Tensor],
            dynamic: list[list[Any]] | None = None, restride: bool = False) -> Any:
     """`torch.export` of the op's call; `dynamic`: per tensor input its sizes, a symbol name where the
-    dim is dynamic (a shape class). Each symbol is a `Dim` with min=2: export refuses (constraint
-    violation) rather than narrow it, so a class it cannot keep generic is refused, never half-generic.
+    dim is dynamic (a shape class). Each symbol is a `Dim` with min=2, or the class's minimum for it (its
+    `minimum` attribute, `_examples.Symbol`): export refuses (constraint violation) rather than narrow it,
+    so a class it cannot keep generic over those sizes is refused, never half-generic.
     `restride`: each output is written into a buffer of eager's strides (the traced meta strides), for an
     op whose Inductor lowering picks another layout (`cat` of permuted inputs keeps their order, eager's
     is contiguous)."""
@@ -42,8 +43,8 @@ def export(qualname: str, run: Executable, n_tensors: int, inputs: list[torch.Te
     shapes: Any = None
     if dynamic is not None:
         dims: dict[str, Any] = {}
-        specs: list[Any] = [{i: dims.setdefault(n, torch.export.Dim(n, min=2)) for i, n in enumerate(sizes)
-                             if isinstance(n, str)} or None for sizes in dynamic]
+        specs: list[Any] = [{i: dims.setdefault(n, torch.export.Dim(n, min=getattr(n, "minimum", 2)))
+                             for i, n in enumerate(sizes) if isinstance(n, str)} or None for sizes in dynamic]
         specs += [None] * (len(inputs) - len(specs))
         shapes = (tuple(specs),)
     try:

@@ -34,6 +34,7 @@ from ._ops import (
     tensors_in,
 )
 from ._shapes import (
+    MINIMUMS,
     describe as describe_shapes,
     example as class_example,
     classes as shape_classes,
@@ -63,8 +64,9 @@ from ._signature import (
 )
 
 __all__ = [
-    "FACTORY_OUT", "GENERATOR", "LIST_KINDS", "OPT_TENSOR", "OPT_TENSORS", "OTHER", "SCALAR", "SCALARS", "TENSOR",
-    "TENSORS", "TENSOR_KINDS", "VALUE", "PACK_MAX_NUMEL", "OpInfo", "SignatureError", "build_signature", "cache_key", "canonical",
+    "FACTORY_OUT", "GENERATOR", "LIST_KINDS", "MINIMUMS", "OPT_TENSOR", "OPT_TENSORS", "OTHER", "PACK_MAX_NUMEL",
+    "SCALAR", "SCALARS", "TENSOR", "TENSORS", "TENSOR_KINDS", "VALUE", "OpInfo", "SignatureError", "build_signature",
+    "cache_key", "canonical",
     "canonical_signature", "canonical_strides",
     "class_example", "classify", "cpu_ops", "decode_dtype", "decode_value", "describe_shapes", "encode_value",
     "flat_class", "has_nodes", "is_class", "is_flat", "is_packed", "is_wrapped", "kind_of", "nodes_of", "other_instance",

@@ -12,7 +12,7 @@ kernel depends on:
   3. a size the op ties to an integer it takes as a size argument (schema type `SymInt`: a `view`'s
      target sizes, `normalized_shape`, `num_weights`) stays literal: the kernel is specialised on it
      anyway (found the same way: no set of sizes including it can change; for a fused group, any size
-     equal to such an integer);
+     equal to such an integer); so do adaptive pooling's input spatial sizes (`_INNER_STATIC`);
   4. the sizes inside a slice's row (dims whose strides come before a stride no product of inner sizes
      explains, e.g. the head dim of `qkv[..., :64]`) stay literal: export bounds them by that stride;
   5. strides are kept as expressions of the sizes (`1`, `s1`, `96*s0`): found as torch's own stride
@@ -20,7 +20,10 @@ kernel depends on:
      strides already seen, else kept as a literal; a size-1 dim's stride is `*` (never read). Memory
      format, contiguity, transposes and slices of a larger tensor are therefore part of the class;
   6. everything else (dtypes, ranks, structural arguments by value, run-time scalars by type) as in the
-     exact signature.
+     exact signature;
+  7. a symbol ranges over sizes >= 2, or >= its minimum where the op rejects smaller ones (a 3x3 pool's
+     height: `MINIMUMS`, found on `meta` tensors); the minimums are part of the class, and a signature
+     maps to a class only if its sizes reach them (`admits`).
 An elementwise op whose tensors all share one dense layout gets a *flat* class before that one (the
 rank-collapse rule, `flat_class`): its rank and layout do not matter to a kernel over memory positions.
 The class is itself a signature (`"shapes": CLASS_VERSION`) that carries the exact signature it was made
@@ -210,11 +213,90 @@ def packed_class(sig: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def ranked_class(sig: dict[str, Any]) -> dict[str, Any] | None:
-    """The class of rules 1-6: ranks, layouts and size coincidences kept, the other sizes symbolic."""
+    """The class of rules 1-6: ranks, layouts and size coincidences kept, the other sizes symbolic, each
+    symbol at least its minimum (rule 7, `MINIMUMS`)."""
     cls = _symbolic(sig)
-    if cls is not None:
-        cls["example"] = sig
-    return cls
+    if cls is None:
+        return None
+    cls["example"] = sig
+    low = _minimums(cls)
+    if low:
+        cls[MINIMUMS] = low
+    return cls if admits(cls, sig) else None
+
+
+# -- rule 7: the smallest size each symbol may take ---------------------------------------------------
+# A class's symbols range over sizes >= 2 unless the class says more: `"minimums": {"s1": 3}` where the
+# op rejects smaller sizes for the arguments the class keeps (a 3x3 pool's height, `topk`'s dim of k=3,
+# a reflection pad's dim). Without it export refuses the class (its guard `s1 >= 3` narrows a symbol that
+# was declared >= 2) and the op compiles once per shape. The minimums are part of the class's signature,
+# hence its key: its executable is exported and checked for sizes >= them only, and a call maps to it
+# only when its sizes are (`admits`), so a smaller shape gets another class or its exact executable.
+MINIMUMS = "minimums"
+_MIN_CACHE: dict[str, dict[str, int]] = {}
+
+
+def _minimums(cls: dict[str, Any]) -> dict[str, int]:
+    """Each symbol whose smallest size the op accepts (on `meta` tensors, the other symbols at the
+    example's sizes) is above 2, with that size: found by bisection between 2 and the example's size
+    (validity grows with the size for the ops this serves; an op where it does not gets a minimum export
+    cannot prove, and its class is refused as before). Ops whose shape rule is broadcasting alone, fused
+    groups and ops without meta kernels have none. Cached per class (the sizes abstracted: a probe costs
+    0.1-0.3 ms, a new length must cost a lookup), found again for an example below a cached minimum."""
+    qualname = str(cls.get("op", ""))
+    if has_nodes(cls) or elementwise(qualname) or qualname.startswith("aten::_foreach_"):
+        return {}
+    values = symbols(cls)
+    key = json.dumps({k: v for k, v in cls.items() if k != "example"}, sort_keys=True, default=str)
+    found = _MIN_CACHE.get(key)  # one lookup: another thread may clear the dict meanwhile
+    if found is not None and all(values[s] >= n for s, n in found.items()):
+        return dict(found)
+    from ._ops import resolve_op
+
+    try:
+        op = resolve_op(qualname)
+    except Exception:  # noqa: BLE001 - an op we cannot look up: no minimums known
+        return {}
+
+    def accepts(sym: str, size: int) -> bool:
+        return _runs_on_meta(op, cls, {**values, sym: size})
+
+    low: dict[str, int] = {}
+    if all(v <= 2 for v in values.values()) or not _runs_on_meta(op, cls, values):
+        pass  # nothing to bound, or the op cannot be probed
+    else:
+        for sym, v in sorted(values.items()):
+            if v <= 2 or accepts(sym, 2):
+                continue
+            lo, hi = 2, v  # rejected at lo, accepted at hi
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if accepts(sym, mid) else (mid, hi)
+            low[sym] = hi
+    if len(_MIN_CACHE) >= _NEEDED_CACHE_MAX:
+        _MIN_CACHE.clear()
+    _MIN_CACHE[key] = low
+    return dict(low)
+
+
+def minimums(cls: dict[str, Any]) -> dict[str, int]:
+    """The smallest size of each symbol of a class: its `MINIMUMS` entry, else 2 (rule 1)."""
+    low: dict[str, int] = cls.get(MINIMUMS) or {}
+    return {s: max(2, low.get(s, 2)) for s in symbols(cls)}
+
+
+def admits(cls: dict[str, Any], sig: dict[str, Any]) -> bool:
+    """Whether the exact signature `sig` is a shape the class serves, as far as its minimums go: every
+    symbol's size in `sig` at least the symbol's minimum (the rest of the mapping is `ranked_class`'s
+    construction)."""
+    low = cls.get(MINIMUMS)
+    if not low:
+        return True
+    for c, e in zip(tensor_descs(cls), tensor_descs(sig)):
+        for s, n in zip(c["sizes"], e["sizes"]):
+            if isinstance(s, str) and n < low.get(s, 2):
+                return False
+    return True
 
 
 def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
@@ -230,8 +312,9 @@ def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
     for d in tensor_descs(sig):
         gaps |= _inside_gaps(list(d["sizes"]), list(d["strides"]))
     # Positions (tensor, dim) that may be symbolic: sizes 0 and 1 and sizes inside a slice's row stay.
+    inner = _INNER_STATIC.get(str(sig.get("op", "")), 0)
     positions = [(t, i) for t, d in enumerate(tensor_descs(sig)) for i, n in enumerate(d["sizes"])
-                 if n >= 2 and n not in gaps]
+                 if n >= 2 and n not in gaps and not (t == 0 and (inner is None or i >= len(d["sizes"]) - inner))]
     groups = _needed(sig, positions) if not has_nodes(sig) else None
     if groups is None:  # the older rule: equal sizes share a symbol; sizes equal to size arguments stay
         fixed = _static_sizes(sig)
@@ -241,7 +324,51 @@ def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
             if tensors[p[0]]["sizes"][p[1]] not in fixed:
                 by_value.setdefault(tensors[p[0]]["sizes"][p[1]], []).append(p)
         groups = list(by_value.values())
+    else:
+        groups = _conv_tied(sig, groups)
     return _with_symbols(sig, groups)
+
+
+def _conv_tied(sig: dict[str, Any], groups: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+    """`convolution`'s channel ties its meta kernel does not check, so probing cannot find them (the
+    self-check's second shape then drew them apart: "expected bias to be 1-dimensional with 3 elements,
+    but got bias of size [4]"): the bias with the weight's output channels, and for a transposed one the
+    input's channels with the weight's first dim. Transposed with groups > 1 (bias = `weight.size(1) *
+    groups`) is left as found: no one symbol is both."""
+    if sig.get("op") != "aten::convolution":
+        return groups
+    args = {name: desc for name, _, desc in sig["args"]}
+    if not (_is_tensor(args.get("input")) and _is_tensor(args.get("weight"))):
+        return groups
+    transposed = bool(args.get("transposed"))
+    if transposed and args.get("groups") != 1:
+        return groups
+    ties = [((0, 1), (1, 0))] if transposed else []
+    if _is_tensor(args.get("bias")):
+        ties.append(((1, 1 if transposed else 0), (2, 0)))
+    tensors = tensor_descs(sig)
+    for p, q in ties:
+        if tensors[p[0]]["sizes"][p[1]] != tensors[q[0]]["sizes"][q[1]]:
+            continue  # not a valid call: nothing to tie
+        a = next((g for g in groups if p in g), None)
+        b = next((g for g in groups if q in g), None)
+        if a is not None and b is not None and a is not b:
+            groups = sorted([g for g in groups if g is not a and g is not b] + [sorted(a + b)])
+    return groups
+
+
+# Ops whose kernel's code depends on the input's innermost sizes (how many stay literal, as rule 3 keeps a
+# size argument): adaptive pooling's window bounds are loop bounds, and Inductor's lowering reads those
+# sizes as ints (`guard_int(h_in)`), a guard AOTInductor drops, so a class generic over them was wrong at
+# its second shape (the self-check refused it: one compile per shape). The batch and channels stay free.
+# None: every dim of the first tensor, which rule 3 would keep but probing cannot find (the meta kernel
+# does not check it): `unfold_backward`'s gradient is `input_sizes` (a SymInt[]) with the unfolded dim
+# made `(input_sizes[dim] - size) // step + 1` and `size` appended, so no size of it is free.
+_INNER_STATIC: dict[str, int | None] = {
+    "aten::_adaptive_avg_pool2d": 2, "aten::adaptive_max_pool2d": 2,
+    "aten::_adaptive_avg_pool3d": 3, "aten::adaptive_max_pool3d": 3,
+    "aten::unfold_backward": None,
+}
 
 
 def _with_symbols(sig: dict[str, Any], groups: list[list[tuple[int, int]]]) -> dict[str, Any] | None:
@@ -650,6 +777,6 @@ STATIC_PREFIXES: dict[str, str] = {
 }
 
 
-__all__ = ["CLASS_VERSION", "FLAT_OPS", "FLAT_VERSION", "classes", "describe", "elementwise", "example",
-           "flat_class", "flat_layout", "flatten", "instance", "is_class", "is_flat", "other_instance",
-           "policy_allows", "ranked_class", "shape_class", "symbols"]
+__all__ = ["CLASS_VERSION", "FLAT_OPS", "FLAT_VERSION", "MINIMUMS", "admits", "classes", "describe", "elementwise",
+           "example", "flat_class", "flat_layout", "flatten", "instance", "is_class", "is_flat", "minimums",
+           "other_instance", "policy_allows", "ranked_class", "shape_class", "symbols"]
