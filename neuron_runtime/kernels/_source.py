@@ -89,7 +89,7 @@ class SourceKernel(Kernel):
         self.op.register_fake(self._traceable(self.shapes_of))
         _register_neuron(self.op, self._neuron)
         self.backward: Kernel | None = None
-        self.direct = self.reference
+        self.direct, self.saving = self.reference, None
         if self.reference:  # the body's VJP, a kernel of its own (one executable on neuron)
             self.backward = _backward_kernel(self, schema)
             self.op.register_autograd(self._grad, setup_context=self._save)
