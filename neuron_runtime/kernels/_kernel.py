@@ -182,13 +182,15 @@ def _plain(args: Sequence[Any]) -> int:
     may when some argument is a plain neuron tensor, every tensor is one, and nothing watches or
     transforms the call (Dynamo, a dispatch or function mode, the profiler's op ranges; autocast casts
     nothing at a custom op)."""
+    if _compiling():  # first: Dynamo cannot read `is_neuron` of a tensor the graph computed (a graph break)
+        return 0
     plain = 0
     for a in args:
         if isinstance(a, _Tensor):
             if type(a) is not _Tensor or not a.is_neuron:
                 return 0
             plain = 2 if plain == 2 or a.requires_grad else 1
-    if not plain or _profiler._is_profiler_enabled or _compiling() or _function_mode() or _dispatch_modes():
+    if not plain or _profiler._is_profiler_enabled or _function_mode() or _dispatch_modes():
         return 0
     return plain if plain == 1 or torch.is_grad_enabled() else 1
 
