@@ -130,7 +130,8 @@ class _SourceLaunch:
         self.outputs = [(tuple(o.shape), o.dtype) for o in outs]
         self.returns = _returns_tuple(k)
         self.signature = {
-            "op": f"source:{k.name}", "args": [], "language": k.language, "source": k.source,
+            "op": f"source:{k.name}", "schema": str(k.overload._schema), "args": [], "language": k.language,
+            "source": k.source,
             "inputs": [[_dtype_name(args[i].dtype), args[i].dim()] for i in self.tensor_at],
             "outputs": [[_dtype_name(d), len(s)] for s, d in self.outputs],
             "scalars": len(self.scalar_at),

@@ -68,6 +68,9 @@ def test_source_kernel_equals_cpu_one_launch_cached_recorded_and_checked(
     assert _count("compiles") == 1
     sigs = [json.loads(line) for line in record.read_text().splitlines()]
     assert any((s.get("signature") or s).get("op") == "source:mylib_src::axpy" for s in sigs), sigs
+    from neuron_runtime.executables import read_records  # what `neuron-cache warm` compiles
+
+    assert any(s["op"] == "source:mylib_src::axpy" for s in read_records(str(record)))
     # A fresh runtime over the same local cache (what a second process sees): 0 compiles.
     neuron_runtime.reset()
     torch.testing.assert_close(axpy(xn, yn, 2.0).cpu(), 2.0 * x + y)
