@@ -11,6 +11,7 @@ average is printed with the numbers. Executables are compiled during the warm-up
 rounds time launches only.
 
     python benchmarks/kernels.py [--tier aoti|reference] [--rounds R] [--calls N] [--cache-dir DIR]
+                                 [--only rms_norm rotary swiglu llama]
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (medians of these)")
     p.add_argument("--calls", type=int, default=20, help="kernel calls (or training steps / 4) per round")
     p.add_argument("--cache-dir", help="local executable cache (default: a fresh temporary directory)")
+    p.add_argument("--only", nargs="+", choices=["rms_norm", "rotary", "swiglu", "llama"],
+                   help="measure only these (default: all)")
     return p.parse_args()
 
 
@@ -78,11 +81,15 @@ def main() -> int:
              "swiglu": (kernels.swiglu, glu, [g, u])}
     report: dict[str, Any] = {"tier": args.tier, "rounds": args.rounds, "calls_per_round": args.calls,
                               "shapes": {"batch": b, "seq": t, "hidden": h, "heads": heads}}
+    only = set(args.only or [*cases, "llama"])
     for name, (kern, eager, inputs) in cases.items():
+        if name not in only:
+            continue
         ins = [a.to(dev).requires_grad_() if isinstance(a, torch.Tensor) else a for a in inputs]
         report[name] = _compare(torch, neuron_runtime, interleaved_medians, args,
                                 kernel=_call(torch, kern, ins), composition=_call(torch, eager, ins))
-    report["llama_train_step"] = _llama(torch, neuron_runtime, kernels, interleaved_medians, args, b, t, h, heads)
+    if "llama" in only:
+        report["llama_train_step"] = _llama(torch, neuron_runtime, kernels, interleaved_medians, args, b, t, h, heads)
     report["load_average"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     return 0

@@ -101,12 +101,13 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     return runtime().resolver.wait(timeout)
 
 
-def kernel(name: str, *, mutates_args: Any = ()) -> Any:
+def kernel(name: str, **options: Any) -> Any:
     """Decorate a typed function of torch ops: it becomes the operator `torch.ops.<ns>.<name>`, one
-    cached executable per call on neuron (docs/kernels.md; `neuron_runtime.kernels.kernel`)."""
+    cached executable per call on neuron (docs/kernels.md; `neuron_runtime.kernels.kernel`, whose
+    keyword options it takes: `mutates_args`, and `source`/`outputs` for a kernel given as C++)."""
     from .kernels import kernel as make
 
-    return make(name, mutates_args=mutates_args)
+    return make(name, **options)
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,7 @@
     _package.py        the artifact: a .pt2 zip written member by member, and read back
     _runner.py         what `load` returns: AOTInductor's runner called with as little Python as can be
     _inplace.py        in-place kernels: the traced call, and the host op when written tensors overlap
+    _source.py         kernel source (`source:` signatures): C++ built by the host compiler, loaded by ctypes
     __main__.py        `python -m neuron_runtime.compiler`: build the shared runtime now (make install)
 
 What the other packages use is named here.

@@ -50,7 +50,8 @@ from ..signatures import (
     kind_of,
     other_instance,
 )
-from . import _accuracy, _aoti_runtime, _examples, _inplace, _lowering, _package, _runner, _standins, _toolchain, _units
+from . import (_accuracy, _aoti_runtime, _examples, _inplace, _lowering, _package, _runner, _source, _standins,
+               _toolchain, _units)
 from ._base import CompileRefused, Compiled, Compiler, Executable
 from ._reference import aten_executable, build_call, build_graph, resolve
 
@@ -311,6 +312,11 @@ class AotiCompiler(Compiler):
         return self._host
 
     def _compile_many(self, signatures: list[dict[str, Any]]) -> list[Compiled]:
+        if any(_source.is_source(s) for s in signatures):  # kernel source: g++ alone, no Inductor
+            sources = iter(self._compile_sources([s for s in signatures if _source.is_source(s)]))
+            rest = [s for s in signatures if not _source.is_source(s)]
+            ops = iter(self._compile_many(rest) if rest else [])
+            return [next(sources) if _source.is_source(s) else next(ops) for s in signatures]
         jobs = [_Job(sig) for sig in signatures]
         self._run(jobs)
         # Outputs Inductor laid out otherwise than eager: once more, writing them in eager's layout.
@@ -321,6 +327,19 @@ class AotiCompiler(Compiler):
         if again:
             self._run(again)
         return [Compiled(payload=j.payload if j.error is None else None, error=j.error, phases=j.phases) for j in jobs]
+
+    def _compile_sources(self, signatures: list[dict[str, Any]]) -> list[Compiled]:
+        """Kernel source, compiled for the tier's target (`-march`) in its scratch."""
+        out = []
+        for sig in signatures:
+            t0 = time.perf_counter()
+            try:
+                payload = _source.compile_source(sig, self.fingerprint(), [f"-march={self.march}"],
+                                                 str(self.scratch().tmp))
+                out.append(Compiled(payload=payload, phases={"cxx": time.perf_counter() - t0}))
+            except Exception as e:  # noqa: BLE001 - costs only this signature
+                out.append(Compiled(error=e, phases={"cxx": time.perf_counter() - t0}))
+        return out
 
     def _run(self, jobs: list[_Job]) -> None:
         # 1. Per signature: trace it and lower it to C++ (or find it needs no C++: a library call).
@@ -474,6 +493,8 @@ class AotiCompiler(Compiler):
 
     # -- load ---------------------------------------------------------------------------------------
     def payload_signature(self, payload: bytes) -> dict[str, Any] | None:
+        if _source.is_artifact(payload):
+            return _source.read_meta(payload).get("signature")
         try:
             sig = _package.read_meta(payload).get("signature")
         except _package.ArtifactMismatch as e:
@@ -481,6 +502,9 @@ class AotiCompiler(Compiler):
         return sig if isinstance(sig, dict) else None
 
     def load(self, payload: bytes) -> Executable:
+        if _source.is_artifact(payload):
+            _toolchain.check_host(self.march)
+            return _source.load(payload, self.fingerprint(), str(self.scratch().load))
         meta, members = _package.read(payload)
         if meta.get("format") != _package.ARTIFACT_FORMAT:
             raise _package.ArtifactMismatch(f"not an {_package.ARTIFACT_FORMAT} artifact "

@@ -25,12 +25,15 @@ Contract:
   * `fingerprint()` names everything that decides whether an artifact can run here; it is part of the key,
     so a host with another ISA or torch never even looks up the other host's entries.
   * Kernels (`neuron_runtime.kernel`, docs/kernels.md) reach a tier as graph signatures named
-    `graph:kernel:<ns>::<name>`: nothing new to compile. Kernel *source* (not built yet) is the planned
-    signature `{"op": "source:<ns>::<name>", "language": ..., "source": ..., "args": [tensor metadata]}`:
-    a host tier compiles C++ over each tensor's data pointer, sizes and strides; a Neuron compiler would
-    take `"language": "nki"`, compile the NKI source with `neuronx-cc` for the fingerprint's target
-    (`trn2`/`trn3`) into a NEFF whose inputs and outputs are the signature's tensors in order, and refuse
-    (`CompileRefused`) any other language.
+    `graph:kernel:<ns>::<name>`: nothing new to compile. Kernel *source* reaches it as
+    `{"op": "source:<ns>::<name>", "args": [], "language": ..., "source": <text>, "inputs": [[dtype, rank]],
+    "outputs": [[dtype, rank]], "scalars": <count>}` (`_source.py`): the host tiers compile `"c++"` with
+    the host compiler (`aoti` for its `-march`) into a shared object over each tensor's data pointer,
+    sizes and strides, whose executable takes the inputs then the outputs (written, returns `[]`). A
+    Neuron compiler would take `"language": "nki"`: compile the NKI source with `neuronx-cc` for the
+    fingerprint's target (`trn2`/`trn3`) into a NEFF whose inputs and outputs are the signature's tensors
+    in order (NKI traces per shape, so it would need the sizes the host ABI passes at run time: a field
+    the kernel layer would add for such a tier), and refuse (`CompileRefused`) any other language.
 """
 
 from __future__ import annotations

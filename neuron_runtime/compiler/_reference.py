@@ -25,6 +25,7 @@ from ..signatures import (
     resolve_op,
     scalar_overload,
 )
+from . import _source
 from ._base import CompileRefused, Compiler, Executable
 
 
@@ -110,6 +111,8 @@ class ReferenceCompiler(Compiler):
                 "machine": platform.machine()}
 
     def compile(self, signature: dict[str, Any]) -> bytes:
+        if _source.is_source(signature):  # kernel source: the host compiler, for the machine's baseline
+            return _source.compile_source(signature, self.fingerprint(), [])
         if has_nodes(signature):
             build_graph(signature)
         else:
@@ -117,6 +120,8 @@ class ReferenceCompiler(Compiler):
         return canonical({"format": "reference-v1", "signature": signature})
 
     def payload_signature(self, payload: bytes) -> dict[str, Any] | None:
+        if _source.is_artifact(payload):
+            return _source.read_meta(payload).get("signature")
         desc = json.loads(payload)
         if not isinstance(desc, dict) or desc.get("format") != "reference-v1":
             raise ValueError("not a reference-v1 descriptor")
@@ -124,6 +129,8 @@ class ReferenceCompiler(Compiler):
         return sig if isinstance(sig, dict) else None
 
     def load(self, payload: bytes) -> Executable:
+        if _source.is_artifact(payload):
+            return _source.load(payload, self.fingerprint())
         desc = json.loads(payload)
         if desc.get("format") != "reference-v1":
             raise CompileRefused(f"not a reference-v1 descriptor: {desc.get('format')!r}")

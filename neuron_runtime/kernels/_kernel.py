@@ -82,6 +82,8 @@ class Kernel:
         _register_neuron(self.op, self._neuron)
         decompose(self.overload, fn)
         self.backward: Kernel | None = None
+        # A plain eager call's autograd.Function of the kernel's own (`saving_backward`), else `_Direct`.
+        self.saving: Callable[..., Any] | None = None
         # `_Direct` (an autograd.Function) returns a tensor or a tuple of them, not a list.
         self.direct = not self.mutates and str(schema.returns[0].type) != "List[Tensor]" if schema.returns else False
         if not self.mutates:
@@ -96,7 +98,8 @@ class Kernel:
         if how == 1:
             return self._neuron(*args)
         if how == 2:
-            return _Direct.apply(self, *args)
+            saving = self.saving
+            return saving(*args) if saving is not None else _Direct.apply(self, *args)
         return self.op(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -107,6 +110,13 @@ class Kernel:
         """A backward of the user's own (torch.library's contract), instead of the body's VJP."""
         self.direct = False  # the user's backward is registered with the operator only
         self.op.register_autograd(backward, setup_context=setup_context)
+
+    def saving_backward(self, function: type[torch.autograd.Function]) -> None:
+        """A plain eager call that records autograd runs `function.apply(*args)` instead of this kernel
+        and its body's VJP: a forward kernel that also returns what the backward needs (so the backward
+        does not recompute it) and a backward kernel using it. It must compute what the body computes;
+        the dispatcher's route (profiler, modes, torch.compile) keeps the body's VJP."""
+        self.saving = function.apply
 
     # -- neuron -----------------------------------------------------------------------------------
     def _neuron(self, *args: Any) -> Any:
@@ -172,13 +182,15 @@ def _plain(args: Sequence[Any]) -> int:
     may when some argument is a plain neuron tensor, every tensor is one, and nothing watches or
     transforms the call (Dynamo, a dispatch or function mode, the profiler's op ranges; autocast casts
     nothing at a custom op)."""
+    if _compiling():  # first: Dynamo cannot read `is_neuron` of a tensor the graph computed (a graph break)
+        return 0
     plain = 0
     for a in args:
         if isinstance(a, _Tensor):
             if type(a) is not _Tensor or not a.is_neuron:
                 return 0
             plain = 2 if plain == 2 or a.requires_grad else 1
-    if not plain or _profiler._is_profiler_enabled or _compiling() or _function_mode() or _dispatch_modes():
+    if not plain or _profiler._is_profiler_enabled or _function_mode() or _dispatch_modes():
         return 0
     return plain if plain == 1 or torch.is_grad_enabled() else 1
 
@@ -240,7 +252,7 @@ def _backward_kernel(k: Kernel, schema: Any) -> Kernel:
     bk.name, bk.fn, bk.mutates, bk.op = name, vjp, False, op
     ns, short = name.split("::", 1)
     bk.overload = getattr(getattr(torch.ops, ns), short).default
-    bk.launches, bk.runtime, bk.lock, bk.backward, bk.direct = {}, None, threading.Lock(), None, False
+    bk.launches, bk.runtime, bk.lock, bk.backward, bk.direct, bk.saving = {}, None, threading.Lock(), None, False, None
     op.register_fake(lambda grads, *a: [torch.empty_like(x) for x in a if _differentiable(x)])
     _register_neuron(op, bk._neuron)
     # In a torch.compile graph: the VJP's aten graph, traced apart (autograd cannot run inside the

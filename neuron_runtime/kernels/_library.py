@@ -49,6 +49,39 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+# swiglu's eager autograd: the body's VJP would recompute sigmoid(gate), the one costly op of either
+# pass (an exp per element; the multiplies are nearly free), so the forward returns it too and the
+# backward reads it: two launches, one exp.
+@kernel("neuron_kernels::swiglu_saving")
+def _swiglu_saving(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(silu(gate) * up, sigmoid(gate))`."""
+    sig = torch.sigmoid(gate)
+    return gate * sig * up, sig
+
+
+@kernel("neuron_kernels::swiglu_grad")
+def _swiglu_grad(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                 sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """swiglu's gradients (gate, up) from the forward's `sigmoid(gate)`."""
+    return grad * up * (sig * (1 + gate * (1 - sig))), grad * (gate * sig)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        out, sig = _swiglu_saving._neuron(gate, up)
+        ctx.save_for_backward(gate, up, sig)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up, sig = ctx.saved_tensors
+        return _swiglu_grad._neuron(grad, gate, up, sig)
+
+
+swiglu.saving_backward(_SwiGLU)
+
+
 def _rms_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, float(self.variance_epsilon))
 
