@@ -41,6 +41,7 @@ MAX_ENTRY = 1 << 30  # an entry is a few MB at most; a larger artifact is not on
 
 _lock = threading.Lock()
 _recorded: set[str] = set()
+_seen: Any = None  # the `CacheArtifactManager._seen_artifacts` that `_recorded` describes
 counts = {"recorded": 0, "loaded": 0, "refused": 0}
 # The resolver artifacts load into: the runtime's, made on first use (`set_provider`, from aten/ above).
 _provider: Callable[[], Any] | None = None
@@ -54,16 +55,25 @@ def set_provider(provider: Callable[[], Any]) -> None:
 
 
 def record(key: str, entry: envelope.Entry, signing_key: bytes | None) -> None:
-    """Offer a verified entry this process used to PyTorch's Mega-Cache (once per key)."""
-    if key in _recorded or not _registered:
+    """Offer a verified entry this process used to PyTorch's Mega-Cache (once per key and PyTorch list:
+    after `CacheArtifactManager.clear()` or inside `with_fresh_cache()`, PyTorch holds a new, empty list of
+    what it has seen, and every entry is offered again as it is used)."""
+    global _seen
+    if not _registered:
+        return
+    from torch.compiler._cache import CacheArtifactManager
+
+    seen = CacheArtifactManager._seen_artifacts
+    if key in _recorded and seen is _seen and len(seen):
         return
     with _lock:
+        if seen is not _seen or not len(seen):
+            _recorded.clear()
+            _seen = seen
         if key in _recorded:
             return
         _recorded.add(key)
         data = envelope.pack(key, entry.header, entry.payload, signing_key)
-        from torch.compiler._cache import CacheArtifactManager
-
         CacheArtifactManager.record_artifact(TYPE, key, data)
         counts["recorded"] += 1
 
