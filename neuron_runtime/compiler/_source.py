@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import tempfile
@@ -95,6 +96,17 @@ class SourceError(CompileRefused):
     """Kernel source that does not compile: the message names the kernel and holds the compiler's
     diagnostics, with line numbers of the kernel's own text."""
 
+
+
+def _private_dir(base: Path) -> Path:
+    """`base`, made `0o700` if missing; refused unless it is a real directory of this user that no one
+    else can write (a predictable name in a shared /tmp: another user could have made it first). Refused:
+    a fresh private directory of its own instead."""
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(base)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+        return base
+    return Path(tempfile.mkdtemp(prefix="nr-source-"))
 
 def is_source(sig: dict[str, Any]) -> bool:
     return str(sig.get("op", "")).startswith(PREFIX)
@@ -171,10 +183,10 @@ def load(payload: bytes, fingerprint: dict[str, Any], where: str | None = None) 
     with _lock:
         fn = _loaded.get(digest)
         if fn is None:
-            base = Path(where or tempfile.gettempdir()) / f"nr-source-{os.getuid()}"
-            base.mkdir(mode=0o700, parents=True, exist_ok=True)
+            base = _private_dir(Path(where or tempfile.gettempdir()) / f"nr-source-{os.getuid()}")
             path = base / f"{digest[:32]}.so"
-            if not path.exists():
+            # A file already there is loaded only if it is these bytes (the name is predictable).
+            if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
                 tmp = base / f".{digest[:32]}.{os.getpid()}.{threading.get_ident()}"
                 tmp.write_bytes(so)
                 os.replace(tmp, path)
