@@ -132,8 +132,12 @@ class Kernel:
             with self.lock:
                 launch = self.launches.get(key)
                 if launch is None:
-                    launch = self.launches[key] = _Launch(self, args)
+                    launch = self.launches[key] = self._launch(args, rt)
         return launch(args, rt)
+
+    def _launch(self, args: Sequence[Any], rt: Any) -> Any:
+        """What runs this call's shapes on neuron (made once per key): the body's traced graph's executable."""
+        return _Launch(self, args)
 
     def _traceable(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` with errors raised in it turned into a KernelError naming this kernel and the line."""

@@ -97,19 +97,8 @@ class SourceKernel(Kernel):
     def __repr__(self) -> str:
         return f"<neuron_runtime.kernel {self.name} (source)>"
 
-    def _neuron(self, *args: Any) -> Any:
-        rt = runtime()
-        if rt is not self.runtime:  # `neuron_runtime.reset()`: another compiler, cache and counters
-            with self.lock:
-                self.launches, self.runtime = {}, rt
-        key = _call_key(args)
-        launch = self.launches.get(key)
-        if launch is None:
-            with self.lock:
-                launch = self.launches.get(key)
-                if launch is None:
-                    launch = self.launches[key] = _SourceLaunch(self, args, rt)
-        return launch(args, rt)
+    def _launch(self, args: Sequence[Any], rt: Any) -> Any:
+        return _SourceLaunch(self, args, rt)
 
 
 def _dtype_name(d: torch.dtype) -> str:

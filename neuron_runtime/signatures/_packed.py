@@ -108,40 +108,11 @@ def _meta_layouts(sig: dict[str, Any]) -> list[tuple[list[int], list[int]]] | No
     it does not run on meta."""
     import torch
 
-    from ._ops import OPT_TENSOR, OPT_TENSORS, SCALAR, SCALARS, TENSOR, TENSORS, VALUE, resolve_op
-    from ._signature import decode_dtype, decode_value, is_wrapped
-
-    def meta(d: Any) -> Any:
-        if d is None:
-            return None
-        if is_wrapped(d):
-            return {"float": 0.5, "int": 2, "bool": True}.get(d["wrapped"], 2)
-        return torch.empty_strided(d["sizes"], d["strides"], dtype=decode_dtype(d["dtype"]), device="meta")
+    from ._ops import resolve_op
+    from ._signature import meta_call
 
     try:
-        op = resolve_op(sig["op"])
-        schema = {a.name: a for a in op._schema.arguments}
-        args: list[Any] = []
-        kwargs: dict[str, Any] = {}
-        for name, kind, desc in sig["args"]:
-            if kind in (TENSOR, OPT_TENSOR):
-                v = meta(desc)
-            elif kind in (TENSORS, OPT_TENSORS):
-                v = [meta(d) for d in desc]
-            elif kind == SCALAR:
-                v = None if desc is None else (0.5 if desc == "float" else True if desc == "bool" else 2)
-            elif kind == SCALARS:
-                v = None if desc is None else [0.5 if t == "float" else 2 for t in desc]
-            elif kind == VALUE:
-                v = decode_value(desc)
-            else:
-                return None
-            if schema[name].kwarg_only:
-                kwargs[name] = v
-            else:
-                args.append(v)
-        with torch.no_grad():
-            res = op(*args, **kwargs)
+        res = meta_call(resolve_op(sig["op"]), sig, lambda d: (d["sizes"], d["strides"]))
     except Exception:  # noqa: BLE001 - no meta kernel, or it rejects the call: no packed class
         return None
     outs = res if isinstance(res, (tuple, list)) else [res]

@@ -570,46 +570,14 @@ def _smallest_free(p: int, rest: list[int], accepts: Any) -> list[int] | None:
 
 def _runs_on_meta(op: Any, split: dict[str, Any], env: dict[str, int]) -> bool:
     """Whether the op accepts the signature's arguments with sizes `env`, as `meta` tensors."""
-    import torch
+    from ._signature import meta_call
 
-    from ._ops import OPT_TENSOR, OPT_TENSORS, SCALAR, SCALARS, TENSOR, TENSORS, VALUE
-    from ._signature import decode_dtype, decode_value, is_wrapped
+    def layout(d: dict[str, Any]) -> tuple[list[int], list[int]]:
+        return ([env[n] if isinstance(n, str) else n for n in d["sizes"]],
+                [_evaluate(e, env, 1) for e in d["strides"]])
 
-    def meta(d: Any) -> Any:
-        if d is None:
-            return None
-        if is_wrapped(d):
-            return {"float": 0.5, "int": 2, "bool": True}.get(d["wrapped"], 2)
-        sizes = [env[n] if isinstance(n, str) else n for n in d["sizes"]]
-        strides = [_evaluate(e, env, 1) for e in d["strides"]]
-        return torch.empty_strided(sizes, strides, dtype=decode_dtype(d["dtype"]), device="meta")
-
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    schema = {a.name: a for a in op._schema.arguments}
     try:
-        for name, kind, desc in split["args"]:
-            if kind in (TENSOR, OPT_TENSOR):
-                v = meta(desc)
-            elif kind in (TENSORS, OPT_TENSORS):
-                v = [meta(d) for d in desc]
-            elif kind == SCALAR:
-                v = None if desc is None else (0.5 if desc == "float" else True if desc == "bool" else 2)
-            elif kind == SCALARS:
-                v = None if desc is None else [0.5 if t == "float" else 2 for t in desc]
-            elif kind == VALUE:
-                v = decode_value(desc)
-            else:
-                return False
-            a = schema.get(name)
-            if a is None:
-                return False
-            if a.kwarg_only:
-                kwargs[name] = v
-            else:
-                args.append(v)
-        with torch.no_grad():
-            op(*args, **kwargs)
+        meta_call(op, split, layout)
     except Exception:  # noqa: BLE001 - the op rejects these sizes (or cannot run on meta at all)
         return False
     return True

@@ -231,3 +231,44 @@ def cache_key(signature: dict[str, Any], fingerprint: dict[str, Any]) -> str:
     if "example" in signature:
         signature = {k: v for k, v in signature.items() if k != "example"}
     return hashlib.sha256(canonical({"v": FORMAT_VERSION, "sig": signature, "fp": fingerprint})).hexdigest()
+
+
+def meta_call(op: Any, sig: dict[str, Any], layout: Any) -> Any:
+    """`op` called on `meta` tensors for `sig`'s arguments: `layout(desc)` gives a tensor description's
+    (sizes, strides); run-time scalars are stand-in numbers of their type, wrapped numbers likewise.
+    Returns the op's result; raises whatever the op raises (no meta kernel, or it rejects the call), and
+    ValueError for an argument it cannot stand in for. Shared by the shape-class probes (`_shapes`) and
+    the packed-slice rule (`_packed`)."""
+    def meta(d: Any) -> Any:
+        if d is None:
+            return None
+        if is_wrapped(d):
+            return {"float": 0.5, "int": 2, "bool": True}.get(d["wrapped"], 2)
+        sizes, strides = layout(d)
+        return torch.empty_strided(sizes, strides, dtype=decode_dtype(d["dtype"]), device="meta")
+
+    schema = {a.name: a for a in op._schema.arguments}
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for name, kind, desc in sig["args"]:
+        if kind in (_ops.TENSOR, _ops.OPT_TENSOR):
+            v = meta(desc)
+        elif kind in (_ops.TENSORS, _ops.OPT_TENSORS):
+            v = [meta(d) for d in desc]
+        elif kind == _ops.SCALAR:
+            v = None if desc is None else (0.5 if desc == "float" else True if desc == "bool" else 2)
+        elif kind == _ops.SCALARS:
+            v = None if desc is None else [0.5 if t == "float" else 2 for t in desc]
+        elif kind == _ops.VALUE:
+            v = decode_value(desc)
+        else:
+            raise ValueError(f"{sig.get('op')}: argument {name} ({kind}) has no meta stand-in")
+        a = schema.get(name)
+        if a is None:
+            raise ValueError(f"{sig.get('op')}: schema has no argument {name}")
+        if a.kwarg_only:
+            kwargs[name] = v
+        else:
+            args.append(v)
+    with torch.no_grad():
+        return op(*args, **kwargs)
