@@ -21,13 +21,12 @@ from typing import Any
 import torch
 
 from .._native import GRAPHS, trace_run
-from ..aten import alias, flush_fusion, runtime
+from ..aten import alias, flush_fusion
 from ..compiler import CompileRefused
 from ._kernel import (
     Kernel,
     KernelError,
     _backward_kernel,
-    _call_key,
     _clean,
     _register_neuron,
     _returns_tuple,
