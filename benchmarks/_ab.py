@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import statistics
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 
 
 def interleaved_medians(a: Callable[[], float], b: Callable[[], float], rounds: int) -> tuple[float, float]:
@@ -14,3 +17,15 @@ def interleaved_medians(a: Callable[[], float], b: Callable[[], float], rounds: 
         ta.append(a())
         tb.append(b())
     return statistics.median(ta), statistics.median(tb)
+
+
+def child_result(code: str, args: Sequence[str], env: dict[str, str], timeout: float = 4 * 3600) -> int:
+    """Run `code` in a fresh interpreter with `args` and `env`; print the JSON after its `RESULT ` line
+    (indented) and return 0, or exit saying it failed (its stderr is already on ours)."""
+    p = subprocess.run([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, text=True,
+                       timeout=timeout)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        raise SystemExit(f"run failed ({p.returncode}); its stderr is above")
+    print(json.dumps(json.loads(line[len("RESULT "):]), indent=1))
+    return 0

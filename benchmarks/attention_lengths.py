@@ -11,11 +11,11 @@ CPU at every length. Target: the lengths after the first together compile <= 10 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
+
+from _ab import child_result  # type: ignore[import-not-found]
 
 CHILD = r"""
 import collections, json, logging, os, sys, torch
@@ -72,12 +72,7 @@ def main() -> int:
     env.update(TORCH_NEURONX_COMPILER=a.tier, TORCH_NEURONX_COMPILE_MODE="sync", TORCH_NEURONX_PREFETCH="0",
                TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=a.cache_dir or tempfile.mkdtemp(prefix="attn-lengths-"),
                OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, text=True, timeout=4 * 3600)
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if p.returncode != 0 or line is None:
-        raise SystemExit(f"run failed ({p.returncode}); its stderr is above")
-    print(json.dumps(json.loads(line[len("RESULT "):]), indent=1))
-    return 0
+    return child_result(CHILD, [], env)
 
 
 if __name__ == "__main__":
