@@ -712,6 +712,7 @@ struct QNode {
 };
 
 struct GroupExe {
+  bool each = false;  // Python decided the group runs op by op (`run_each`); nothing below is set
   AotiCall aoti;
   std::vector<at::Tensor> scalars;  // its Scalars' 0-d tensors (AotiCall::run; used under the GIL)
   PyObject* exe = nullptr;
@@ -725,6 +726,7 @@ struct GroupExe {
 };
 
 std::vector<QNode> g_queue;
+std::atomic<int64_t> g_q_run_each{0};
 // The CPU views the queued ops took, by neuron tensor (an optimizer's step reads each gradient three
 // times and updates tensors it has just read): one view per tensor while its metadata stays the same.
 // Each view holds its tensor's storage: a later tensor at the same address gets a new view unless it
@@ -1610,6 +1612,42 @@ bool run_group(GroupExe& g, const std::vector<QNode>& nodes, const std::vector<a
   return true;
 }
 
+// A group Python decided runs op by op (fusion._flush_from_native returned False: a lone op, or a group
+// that could not compile or ran slower fused): each queued op's own executable in queue order, its results
+// copied into its outputs, as fusion._run_each does, without a Python call per group. A slot wired to an
+// earlier op reads that op's output buffer, filled by then; a view slot reads its CPU view on it.
+void run_each(const std::vector<QNode>& nodes) {
+  const bool traced = neuron_trace::on();
+  for (const QNode& node : nodes) {
+    std::vector<at::Tensor> in;
+    in.reserve(node.ins.size());
+    for (size_t k = 0; k < node.ins.size(); ++k) {
+      const auto& [j, i] = node.wire[k];
+      in.push_back(j >= 0 && node.view[k].empty() ? nodes[j].dsts[i] : node.cpu[k]);
+    }
+    const Entry& e = *node.e;
+    const int64_t t0 = traced ? neuron_trace::now() : 0;
+    std::vector<at::Tensor> outs;
+    if (e.aoti.runner == nullptr || !e.aoti.run(in, node.scalars, outs)) {
+      outs.clear();
+      py::list tensors, scalars;
+      for (const at::Tensor& t : in) {
+        if (t.unsafeGetTensorImpl()->is_wrapped_number()) tensors.append(OpState::number(t));
+        else tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
+      }
+      for (const c10::IValue& v : node.scalars) scalars.append(torch::jit::toPyObject(v));
+      py::object r = py::reinterpret_steal<py::object>(
+          PyObject_CallFunctionObjArgs(e.exe, tensors.ptr(), scalars.ptr(), nullptr));
+      if (!r) throw python_error();
+      for (py::handle o : r) outs.push_back(o.is_none() ? at::Tensor() : THPVariable_Unpack(o.ptr()));
+    }
+    if (traced) neuron_trace::record(e.label, neuron_trace::OPS, t0);
+    if (outs.size() < node.dsts.size()) throw std::runtime_error("neuron: a queued op's executable returned too few outputs");
+    for (size_t i = 0; i < node.dsts.size(); ++i) node.dsts[i].copy_(outs[i]);
+  }
+  g_q_run_each.fetch_add(static_cast<int64_t>(nodes.size()), std::memory_order_relaxed);
+}
+
 std::shared_ptr<GroupExe> group_exe(py::handle exe) {
   auto g = std::make_shared<GroupExe>();
   g->aoti.read(exe);
@@ -1799,8 +1837,12 @@ void run_queue() {
     g_groups.clear();
     g_groups_generation = g_generation.load();
   }
-  if (nodes.size() > 1) {
+  {
     auto it = g_groups.find(words);
+    if (it != g_groups.end() && it->second->each) {
+      run_each(nodes);
+      return;
+    }
     if (it != g_groups.end()) {
       const bool traced = neuron_trace::on();
       const int64_t t0 = traced ? neuron_trace::now() : 0;
@@ -1859,7 +1901,13 @@ void run_queue() {
   py::object r = py::reinterpret_steal<py::object>(
       PyObject_CallFunctionObjArgs(g_from_native, pynodes.ptr(), pylive.ptr(), nullptr));
   if (!r) throw python_error();
-  if (!r.is_none() && nodes.size() > 1) g_groups[words] = group_exe(r);
+  if (r.ptr() == Py_False) {
+    auto g = std::make_shared<GroupExe>();
+    g->each = true;
+    g_groups[words] = std::move(g);
+  } else if (!r.is_none() && nodes.size() > 1) {
+    g_groups[words] = group_exe(r);
+  }
 }
 
 void set_fusion(py::object flush, py::object started, py::object from_native, size_t limit) {
@@ -1885,6 +1933,7 @@ py::dict fusion_counters() {
   d["fused_executions"] = g_q_fused_runs.load();
   d["ops_fused"] = g_q_ops_fused.load();
   d["outputs_not_materialised"] = g_q_not_materialised.load();
+  d["ops_run_each"] = g_q_run_each.load();
   return d;
 }
 
@@ -2113,6 +2162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_q_fused_runs.store(0);
     g_q_ops_fused.store(0);
     g_q_not_materialised.store(0);
+    g_q_run_each.store(0);
   });
 }
 

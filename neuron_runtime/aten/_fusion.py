@@ -229,7 +229,8 @@ class Fusion:
                               nodes[w[0]].dsts[w[1]]._use_count() > 1)
 
     def _flush_nodes(self, nodes: list[_Node], readable: Any) -> Any:
-        """Run a flushed group (fused when hot); the fused executable it ran, or None.
+        """Run a flushed group (fused when hot); the fused executable it ran, None, or False when the group
+        is decided to run op by op from now on (`_each_for_good`).
 
         `readable((node, output))`: whether that result must be written (see the module docstring)."""
         with self.lock:
@@ -270,31 +271,40 @@ class Fusion:
             live = tuple(sorted(w for w in writer.values() if readable(w)))
             self.stats["outputs_not_materialised"] += sum(len(n.dsts) for n in nodes) - len(live)
             if len(nodes) > 1 and seen >= self.min_seen and self.fused.get(group) is not UNFUSIBLE:
-                t0 = time.perf_counter()
-                exe = self._run_fused(group, nodes, ext, live, _into(nodes, ext, ext_index, live))
-                if exe is not None:
-                    return self._decide(group, time.perf_counter() - t0, exe)
-            t0 = time.perf_counter()
-            self._run_each(nodes)
+                ran = self._run_fused(group, nodes, ext, live, _into(nodes, ext, ext_index, live))
+                if ran is not None:
+                    return self._decide(group, *ran)
+            seconds = self._run_each(nodes)
             if len(nodes) > 1:
                 times = self.each_s.setdefault(group, [])
                 if len(times) < _TRIALS:
-                    times.append(time.perf_counter() - t0)
-            return None
+                    times.append(seconds)
+            return False if self._each_for_good(group, nodes) else None
 
-    def _decide(self, group: Any, seconds: float, exe: Any) -> Any:
+    def _each_for_good(self, group: Any, nodes: list[_Node]) -> bool:
+        """Whether a group is decided to run op by op from now on (the native queue then runs it so
+        itself, `run_each`): a group that could not compile or ran slower fused, or a lone op that also
+        flushes with others (one that only ever flushes alone stops being queued instead)."""
+        if len(nodes) > 1:
+            return self.fused.get(group) is UNFUSIBLE
+        return (nodes[0].info.qualname, nodes[0].key) in self.grouped
+
+    def _decide(self, group: Any, exe: Any, seconds: float) -> Any:
         """A group ran fused: its first `_TRIALS` fused runs are timed here (None is returned for them, so
-        the native queue keeps handing the group to Python), then it stays fused unless its fastest
-        fused run took over `_SLOWER` times its slowest op-by-op run (clearly slower, whatever the
-        noise); a group slower fused is remembered and runs op by op (`groups_slower_fused`). Returns
-        the executable the native queue may run the group with, or None."""
+        the native queue keeps handing the group to Python), then it stays fused unless its fastest warm
+        fused run (the first one pays the executable's cold start) took over `_SLOWER` times its fastest
+        op-by-op run; a group slower fused is remembered and runs op by op (`groups_slower_fused`).
+        Both sides time their executables and the copies into the results only, which is what the
+        native queue then pays for either (Python's own bookkeeping is not), and fastest against
+        fastest, which a loaded machine can only slow down, never speed up. Returns the executable the
+        native queue may run the group with, or None."""
         trials = self.trial_s.setdefault(group, [])
         if len(trials) >= _TRIALS:  # decided (Python's own queue asks at every flush)
             return exe
         trials.append(seconds)
         if len(trials) < _TRIALS:
             return None
-        if min(trials) > _SLOWER * max(self.each_s.get(group) or [float("inf")]):
+        if min(trials[1:]) > _SLOWER * min(self.each_s.get(group) or [float("inf")]):
             self.fused[group] = UNFUSIBLE
             self.stats["groups_slower_fused"] += 1
             return None
@@ -326,14 +336,21 @@ class Fusion:
                     if NATIVE is not None:
                         NATIVE.clear()  # native kernels ask again: this key runs natively now
 
-    def _run_each(self, nodes: list[_Node]) -> None:
+    def _run_each(self, nodes: list[_Node]) -> float:
+        """Run the group op by op; the seconds its executables and copies took."""
         self.stats["ops_run_each"] += len(nodes)
+        seconds = 0.0
         for node in nodes:
+            t0 = time.perf_counter()
             for d, o in zip(node.dsts, trace_run(node.exe, node.ins, node.scalars)):
                 d.copy_(o)
+            seconds += time.perf_counter() - t0
+        return seconds
 
     def _run_fused(self, group: Any, nodes: list[_Node], ext: list[Any], live: tuple[tuple[int, int], ...],
-                   into: tuple[int, ...]) -> Any:
+                   into: tuple[int, ...]) -> tuple[Any, float] | None:
+        """Run the group as one executable: (it, the seconds its call and copies took), or None when it
+        cannot (yet)."""
         exe = self.fused.get((group, live, into))
         if exe is None:
             graph, at = _graph(group, nodes, self.sigs)
@@ -352,6 +369,7 @@ class Fusion:
             self.fused[(group, live, into)] = exe
             self.stats["groups_fused"] += 1
         scalars = [s for node in nodes for s in node.scalars]
+        t0 = time.perf_counter()
         try:
             outs = trace_run(exe, ext, scalars, FUSED)  # ext: tensors, and numbers in tensor slots
         except Exception:  # noqa: BLE001
@@ -359,9 +377,10 @@ class Fusion:
             return None
         for (j, i), o in zip([w for w, e in zip(live, into) if e < 0], outs):
             nodes[j].dsts[i].copy_(o)
+        seconds = time.perf_counter() - t0
         self.stats["fused_executions"] += 1
         self.stats["ops_fused"] += len(nodes)
-        return exe
+        return exe, seconds
 
 
 def _view_of(c: torch.Tensor, fresh: dict[int, tuple[int, int] | None],
@@ -420,11 +439,11 @@ def _into(nodes: list[_Node], ext: list[Any], ext_index: dict[int, int],
 
 
 _DEVICE = "neuron"
-#: Fused runs timed before a group is trusted to the native queue (the first includes a cold start), and
-#: how much slower than its slowest op-by-op run its fastest one must be to send it back op by op (a
-#: margin over this machine's run-to-run noise: a group is only demoted when clearly slower).
-_TRIALS = 2
-_SLOWER = 1.25
+#: Fused runs timed before a group is trusted to the native queue (the first pays a cold start and is not
+#: compared), and how much slower than its fastest op-by-op run its fastest warm one may be before the
+#: group goes back op by op (a margin for what fastest-against-fastest still varies).
+_TRIALS = 3
+_SLOWER = 1.1
 _AS_STRIDED = classify("aten::as_strided")
 _fusion: Fusion | None = None
 
@@ -463,7 +482,8 @@ def _native_started() -> None:
 
 
 def _flush_from_native(nodes: list[tuple[Any, ...]], live: list[tuple[int, int]]) -> Any:
-    """A group the native queue does not run itself: run it here; the fused executable used, or None."""
+    """A group the native queue does not run itself: run it here; the fused executable used, False when
+    the native queue may run the group op by op itself from now on, or None."""
     if _fusion is None:  # pragma: no cover - the native queue is only on with fusion
         raise RuntimeError("neuron: native fusion queue without fusion")
     readable = set(live)

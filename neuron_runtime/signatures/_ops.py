@@ -55,7 +55,9 @@ STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_
 # lerp's weight: Inductor's lowering branches on it (weight < 0.5), so it cannot be a run-time value; Adam's
 # `_foreach_lerp_(exp_avgs, grads, 1 - beta1)` passes a constant. Likewise a norm's order p and the
 # shrinkage/margin constants whose kernels branch on their value (export: "Could not guard on
-# data-dependent expression").
+# data-dependent expression"). `pow`'s exponent: models pass constants (RMSNorm's `x.pow(2)`, its backward's
+# `pow(x, 1)`), and a compiler specialises on it (`x * x`); fed at run time it is a generic `powf` per element,
+# which made a large Llama's fused backward slower than ATen's (issue 39).
 # `float` arguments that change every step and are fed at run time like a Scalar (keyed by type), with
 # why: the fused optimizers' learning rate follows the LR scheduler (the Trainer's default is linear
 # decay), so keyed by value it made a new key, and a new compile or host run, every step. A compiler that
@@ -68,7 +70,8 @@ RUNTIME_FLOATS = {op: {"lr": "the LR scheduler changes it every step"}
 STRUCTURAL_SCALAR_OPS = {"addmm", "addmv", "addbmm", "baddbmm", "addr", "_addmm_activation",
                          "arange", "linspace", "logspace", "lerp", "_foreach_lerp",
                          "norm", "renorm", "dist", "multi_margin_loss", "multi_margin_loss_backward",
-                         "softshrink", "softshrink_backward", "hardshrink", "hardshrink_backward"}
+                         "softshrink", "softshrink_backward", "hardshrink", "hardshrink_backward",
+                         "pow"}
 
 # Factories with out= (op -> its functional factory, which takes dtype/layout/device where these take out).
 FACTORY_OUT = {"arange.out": "arange", "arange.start_out": "arange.start_step", "linspace.out": "linspace",
@@ -373,12 +376,18 @@ VIA_OUT = ("aten::abs", "aten::logical_not", "aten::logical_and", "aten::logical
            "aten::nan_to_num", "aten::mvlgamma", "aten::polar", "aten::complex", "aten::huber_loss_backward")
 
 
+# Backward ops whose composite kernel fills zeros and copies the gradient into a view of them: on neuron that
+# is a copy between neuron tensors, which runs alone and ends a fusion region (a Llama's `rotate_half`
+# slices: 8 of a training step's 25 regions). Each gets a kernel of its own: one executable, fusible.
+VIA_COPY = ("aten::slice_backward", "aten::select_backward")
+
+
 def cpu_ops() -> list[str]:
-    """Every aten op with a CPU kernel, plus the `_foreach_*` ops and `VIA_OUT`: each gets a PrivateUse1
+    """Every aten op with a CPU kernel, plus the `_foreach_*` ops, `VIA_OUT` and `VIA_COPY`: each gets a PrivateUse1
     kernel.
 
     The foreach ops have no CPU kernel (CPU runs their composite, which loops over per-tensor ops); on
     our device that loop would pay a dispatch per tensor, so they get one kernel (one executable) each."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     return sorted(n for n in torch._C._dispatch_get_all_op_names()
-                  if n.startswith("aten::") and (has(n, "CPU") or n.startswith("aten::_foreach_") or n in VIA_OUT))
+                  if n.startswith("aten::") and (has(n, "CPU") or n.startswith("aten::_foreach_") or n in VIA_OUT or n in VIA_COPY))

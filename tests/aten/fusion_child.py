@@ -89,7 +89,7 @@ def triggers() -> dict[str, object]:
     return {"reasons": reasons, "ok": ok}
 
 
-def inplace() -> dict[str, object]:
+def inplace(steps: int = 6) -> dict[str, object]:
     """In-place ops queued with the ops around them: on a queued output, on a tensor queued ops read
     before and after the update, twice on the same tensor, through a foreach list; results as in stream
     order, every time (first op by op, then fused)."""
@@ -111,10 +111,28 @@ def inplace() -> dict[str, object]:
     w0 = [torch.rand(16), torch.rand(16)]
     a, b, w = a0.to(D), b0.to(D), [t.to(D) for t in w0]
     oks = []
-    for _ in range(5):
+    for _ in range(steps):  # op by op, then three timed fused trials (Python), then the native queue
         got = program(a, b, w)
         want = program(a0, b0, w0)
         oks.append(all(torch.allclose(g.cpu(), x, rtol=1e-6) for g, x in zip(got, want)))
+    return {"ok": all(oks), "steps_ok": oks}
+
+
+def region(steps: int = 6) -> dict[str, object]:
+    """A matmul, views of its queued result, softmax and reductions in one region."""
+    torch.manual_seed(0)
+    x_c, w_c = torch.randn(4, 8), torch.randn(8, 8)
+    x, w = x_c.to(D), w_c.to(D)
+
+    def prog(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = torch.mm(x * 2, w)
+        z = y.view(2, 16).t().softmax(-1)  # views of a queued result, read inside the region
+        return z.sum(0, keepdim=True) + y.reshape(32)[::3].mean(), y
+
+    oks = []
+    for _ in range(steps):
+        got, want = prog(x, w), prog(x_c, w_c)
+        oks.append(all(torch.allclose(g.cpu(), v, rtol=1e-5, atol=1e-6) for g, v in zip(got, want)))
     return {"ok": all(oks), "steps_ok": oks}
 
 
@@ -199,20 +217,11 @@ def main() -> int:
             compiles.append(neuron_runtime.stats()["compiles"] - before)
         out = {"ok": all(oks), "steps_ok": oks, "compiles": compiles}
     elif scenario == "region":  # a matmul, views of its queued result, softmax, reductions: one region
-        torch.manual_seed(0)
-        x_c, w_c = torch.randn(4, 8), torch.randn(8, 8)
-        x, w = x_c.to(D), w_c.to(D)
-
-        def prog(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            y = torch.mm(x * 2, w)
-            z = y.view(2, 16).t().softmax(-1)  # views of a queued result, read inside the region
-            return z.sum(0, keepdim=True) + y.reshape(32)[::3].mean(), y
-
-        oks = []
-        for _ in range(6):
-            got, want = prog(x, w), prog(x_c, w_c)
-            oks.append(all(torch.allclose(g.cpu(), v, rtol=1e-5, atol=1e-6) for g, v in zip(got, want)))
-        out = {"ok": all(oks), "steps_ok": oks, "stats": neuron_runtime.stats()}
+        out = region()
+    elif scenario == "demoted":  # every group measured slower fused: each runs op by op from then on
+        _fusion._SLOWER = 0.0
+        a, r = inplace(steps=8), region(steps=8)
+        out = {"ok": a["ok"] and r["ok"], "steps_ok": [a["steps_ok"], r["steps_ok"]]}
     elif scenario == "views_elsewhere":  # views of memory no queued op writes do not flush
         x, w = torch.randn(64, device=D), torch.randn(8, 8, device=D)
         for _ in range(4):
@@ -243,7 +252,7 @@ def main() -> int:
             return z
 
         oks = []
-        for _ in range(6):  # (min_seen 2, two timed fused trials, then the native queue runs it)
+        for _ in range(7):  # (min_seen 2, three timed fused trials, then the native queue runs it)
             z, z0 = program(a, b, base, u), program(a0, b0, base0, u0)
             oks.append(torch.allclose(a.cpu(), a0) and torch.allclose(z.cpu(), z0) and
                        torch.allclose(base.cpu(), base0))
