@@ -109,6 +109,7 @@ class _SourceLaunch:
 
     def __init__(self, k: SourceKernel, args: Sequence[Any], rt: Any) -> None:
         self.k = k
+        self.rt = rt
         self.tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.scalar_at = [i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
         metas = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
@@ -131,7 +132,8 @@ class _SourceLaunch:
         self.checked = not k.reference
         self.boundary = f"kernel:{k.name}"
 
-    def __call__(self, args: Sequence[Any], rt: Any) -> Any:
+    def __call__(self, args: Sequence[Any]) -> Any:
+        rt = self.rt
         tensors = [args[i] for i in self.tensor_at]
         device = tensors[0].device if tensors else torch.device("cpu")
         on_neuron = device.type == "neuron"
