@@ -305,8 +305,8 @@ def _backward_kernel(k: Kernel, schema: Any) -> Kernel:
     try:
         # Every device but neuron: the VJP on the kernels' thread (an operator's implementation runs with
         # autograd's dispatch keys excluded, where `torch.autograd.grad` would see no graph).
-        op = torch.library.custom_op(name, lambda grads, *a: _clean(lambda: vjp(grads, *a)), mutates_args=(),
-                                     schema=vjp_schema)
+        op = torch.library.custom_op(name, lambda grads, *a: _clean(lambda: _fresh(vjp(grads, *a), [*grads, *a])),
+                                     mutates_args=(), schema=vjp_schema)
     except Exception as e:  # noqa: BLE001
         raise KernelError(f"kernel {k.name}: its backward {name} cannot be registered: {e}") from e
     bk = Kernel.__new__(Kernel)
@@ -321,6 +321,20 @@ def _backward_kernel(k: Kernel, schema: Any) -> Kernel:
     decompose(bk.overload, lambda grads, *a: _trace(bk, [list(grads), *a])(*grads, *_tensors(a)))
     return bk
 
+
+
+def _fresh(outs: list[torch.Tensor], ins: Sequence[Any]) -> list[torch.Tensor]:
+    """`outs`, each copied if it shares memory with an input or an earlier output: an operator may not
+    return its input (`a * x + y`'s gradient for y is the incoming gradient itself)."""
+    seen = {t.untyped_storage().data_ptr() for t in ins if isinstance(t, torch.Tensor)}
+    fresh = []
+    for o in outs:
+        ptr = o.untyped_storage().data_ptr()
+        if ptr in seen:
+            o = o.clone()
+        seen.add(o.untyped_storage().data_ptr())
+        fresh.append(o)
+    return fresh
 
 
 def _tensors(args: Iterable[Any]) -> list[torch.Tensor]:

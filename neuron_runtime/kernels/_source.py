@@ -23,6 +23,7 @@ import torch
 from .._native import GRAPHS, trace_run
 from ..aten import alias, flush_fusion
 from ..compiler import CompileRefused
+from ..graphs import call_between
 from ._kernel import (
     Kernel,
     KernelError,
@@ -87,6 +88,7 @@ class SourceKernel(Kernel):
         self.lock = threading.Lock()
         self.op.register_fake(self._traceable(self.shapes_of))
         _register_neuron(self.op, self._neuron)
+        call_between(self.overload)  # in a torch.compile graph: a region boundary, its own launch
         self.backward: Kernel | None = None
         self.direct, self.saving = self.reference, None
         if self.reference:  # the body's VJP, a kernel of its own (one executable on neuron)
