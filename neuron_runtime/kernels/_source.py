@@ -6,6 +6,8 @@
       └─ neuron / CPU call  →  signature {"op": "source:mylib::axpy", "source": ..., "inputs": [[dtype, rank]],
                                "outputs": ..., "scalars": n}  →  resolver (every cache tier, signed,
                                manifests, warm)  →  the tier's compile of the source (compiler/_source.py)
+      └─ torch.compile      a region boundary (`graphs.call_between`): the graph is split at the call,
+                            its partitions compiled, the kernel's own launch in between
 
 The signature holds no sizes: the ABI passes sizes and strides at run time, so one artifact serves every
 shape. In a process, each call key (shapes, strides, number arguments) keeps its output shapes (from
