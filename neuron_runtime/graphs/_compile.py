@@ -26,7 +26,7 @@ import torch
 
 from .._native import GRAPHS, NATIVE, trace_run
 from ..aten import alias, runtime, wrap
-from . import _graph
+from . import _graph, _split
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class GraphCompileError(RuntimeError):
 
 def _bump(name: str, n: int = 1) -> None:
     """Count in the current runtime's `graph_counts` (`stats()["graphs"]`)."""
-    counts = _runtime().graph_counts
+    counts = runtime().graph_counts  # (not `_runtime()`: one call less on every graph run)
     with _lock:
         counts[name] += n
 
@@ -122,8 +122,39 @@ def _runtime() -> Any:
 
 def _compiler(kind: str) -> Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return CompiledGraph(gm, kind)
+        parent = _split.split(gm, lambda part: _partition(part, kind))
+        return CompiledGraph(gm, kind) if parent is None else SplitGraph(parent)
     return compile_graph
+
+
+def _partition(part: _split.Partition, kind: str) -> Callable[..., Any]:
+    """What a split graph's parent calls for `part`: its `CompiledGraph`, or its own code."""
+    if not part.compiled:
+        gm = part.gm
+
+        def as_is(*args: Any) -> Any:
+            return gm.forward(*args)
+        return as_is
+    graph, single = CompiledGraph(part.gm, kind), part.single
+
+    def partition(*args: Any) -> Any:
+        out = graph(list(args))
+        return out[0] if single else tuple(out)
+    return partition
+
+
+class SplitGraph:
+    """A graph split at the ops no executable can hold (`_split`): its partitions' executables and those
+    ops' own launches, in order. Called as a `CompiledGraph` is (boxed)."""
+
+    def __init__(self, parent: torch.fx.GraphModule) -> None:
+        self._boxed_call = True
+        self.parent = parent
+
+    def __call__(self, args: list[Any]) -> Any:
+        out = self.parent.forward(*args)
+        args.clear()
+        return list(out)
 
 
 class CompiledGraph:
@@ -192,6 +223,10 @@ class CompiledGraph:
             if self.exe is None:
                 return self._eager(args)
         return self._run(plan, args)
+
+    def ran_natively(self) -> None:
+        """Count a call of `native` a caller made itself (a kernel's launch, kernels/_kernel.py)."""
+        _bump("graph_executions")
 
     def _eager(self, args: list[Any]) -> Any:
         _bump("graph_eager_runs")

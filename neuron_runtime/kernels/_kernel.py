@@ -92,14 +92,17 @@ class Kernel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The operator. A plain eager call on neuron tensors (no tracing, no mode, no profiler, no
-        keyword arguments) goes straight to the executable through `_Direct`: the same launch and
-        backward as the dispatcher's route, without torch.library's Python layers around it."""
-        how = _plain(args) if not kwargs and self.direct else 0
-        if how == 1:
-            return self._neuron(*args)
-        if how == 2:
-            saving = self.saving
-            return saving(*args) if saving is not None else _Direct.apply(self, *args)
+        keyword arguments) goes straight to the executable: the same launch and backward as the
+        dispatcher's route, without torch.library's Python layers around it, its key derived once."""
+        if not kwargs and self.direct:
+            how, key = _plain(args)
+            if how == 2:
+                saving = self.saving
+                if saving is not None:  # the forward kernel takes these arguments: the same key
+                    return _saving(self, saving[0]._find(key, args), *args)
+                return _direct(self, self._find(key, args), *args)
+            if how == 1:
+                return self._find(key, args)(args)
         return self.op(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -111,33 +114,41 @@ class Kernel:
         self.direct = False  # the user's backward is registered with the operator only
         self.op.register_autograd(backward, setup_context=setup_context)
 
-    def saving_backward(self, function: type[torch.autograd.Function]) -> None:
-        """A plain eager call that records autograd runs `function.apply(*args)` instead of this kernel
-        and its body's VJP: a forward kernel that also returns what the backward needs (so the backward
-        does not recompute it) and a backward kernel using it. It must compute what the body computes;
-        the dispatcher's route (profiler, modes, torch.compile) keeps the body's VJP."""
-        self.saving = function.apply
+    def saving_backward(self, forward: Kernel, backward: Kernel) -> None:
+        """A plain eager call that records autograd runs `forward` and `backward` instead of this kernel
+        and its body's VJP, so the backward does not recompute what the forward knew. `forward` takes
+        this kernel's arguments (all tensors) and returns its outputs, then the tensors the backward
+        needs; `backward` takes the outputs' gradients, the arguments and those tensors, and returns the
+        arguments' gradients. Both must compute what the body computes; the dispatcher's route
+        (profiler, modes, torch.compile) keeps the body's VJP."""
+        schema = self.overload._schema
+        if any(str(a.type) != "Tensor" for a in schema.arguments):
+            raise KernelError(f"kernel {self.name}: saving_backward takes a kernel of tensors only")
+        self.saving = (forward, backward, len(schema.returns))
 
     # -- neuron -----------------------------------------------------------------------------------
     def _neuron(self, *args: Any) -> Any:
         """The neuron implementation: the executable of this call's graph (traced on first sight of its
         shapes, dtypes, strides and constant arguments)."""
+        return self._find(_call_key(args), args)(args)
+
+    def _find(self, key: tuple[Any, ...], args: Sequence[Any]) -> Any:
+        """The launch of `key` (`_call_key(args)`), made on its first call."""
         rt = runtime()
         if rt is not self.runtime:  # `neuron_runtime.reset()`: another compiler, cache and counters
             with self.lock:
                 self.launches, self.runtime = {}, rt
-        key = _call_key(args)
         launch = self.launches.get(key)
         if launch is None:
             with self.lock:
                 launch = self.launches.get(key)
                 if launch is None:
                     launch = self.launches[key] = self._launch(args, rt)
-        return launch(args, rt)
+        return launch
 
     def _launch(self, args: Sequence[Any], rt: Any) -> Any:
         """What runs this call's shapes on neuron (made once per key): the body's traced graph's executable."""
-        return _Launch(self, args)
+        return _Launch(self, args, rt)
 
     def _traceable(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` with errors raised in it turned into a KernelError naming this kernel and the line."""
@@ -166,7 +177,7 @@ class Kernel:
             args[i] = t
         grads_in = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                     for g, (shape, dtype, device) in zip(grads, ctx.out_meta)]
-        got = list(self.backward._neuron(grads_in, *args) if direct and _plain(grads_in)
+        got = list(self.backward._neuron(grads_in, *args) if direct and _plain(grads_in)[0]
                    else self.backward(grads_in, *args))
         result: list[Any] = []
         for a in args:
@@ -175,43 +186,89 @@ class Kernel:
 
 
 _Tensor = torch.Tensor
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # a Parameter dispatches as a tensor (no torch_function)
 _profiler = torch.autograd.profiler  # its `_is_profiler_enabled` flag is read at each call
 _compiling = torch.compiler.is_compiling
 _function_mode = torch._C._is_torch_function_mode_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
 
 
-def _plain(args: Sequence[Any]) -> int:
-    """Whether a call may skip the dispatcher: 0 if not; else 1, or 2 when autograd must record it. It
-    may when some argument is a plain neuron tensor, every tensor is one, and nothing watches or
-    transforms the call (Dynamo, a dispatch or function mode, the profiler's op ranges; autocast casts
-    nothing at a custom op)."""
-    if _compiling():  # first: Dynamo cannot read `is_neuron` of a tensor the graph computed (a graph break)
-        return 0
+_NOT_PLAIN = (0, None)
+
+
+def _plain(args: Sequence[Any]) -> tuple[int, Any]:
+    """Whether a call may skip the dispatcher, and its `_call_key` (read in the same pass): (0, None)
+    if not; else 1, or 2 when autograd must record it. It may when some argument is a plain neuron
+    tensor, every tensor is one, and nothing watches or transforms the call (Dynamo, a dispatch or
+    function mode, functorch, the profiler's op ranges; autocast casts nothing at a custom op)."""
+    if _compiling():  # first: Dynamo cannot read the device of a tensor the graph computed (a graph break)
+        return _NOT_PLAIN
     plain = 0
+    key = []
     for a in args:
         if isinstance(a, _Tensor):
-            if type(a) is not _Tensor or not a.is_neuron:
-                return 0
-            plain = 2 if plain == 2 or a.requires_grad else 1
-    if not plain or _profiler._is_profiler_enabled or _function_mode() or _dispatch_modes():
-        return 0
-    return plain if plain == 1 or torch.is_grad_enabled() else 1
+            if type(a) not in _PLAIN_TYPES or a.device.type != _DEVICE:
+                return _NOT_PLAIN
+            if a.requires_grad:
+                plain = 2
+            elif not plain:
+                plain = 1
+            key.append((a.dtype, a.shape, a.stride()))
+        elif isinstance(a, (list, tuple)):
+            key.append((type(a).__name__, _call_key(a)))
+        else:
+            key.append((type(a).__name__, a))
+    if not plain or _profiler._is_profiler_enabled or _function_mode() or _dispatch_modes() or _functorch():
+        return _NOT_PLAIN
+    return (plain if plain == 1 or _grad_enabled() else 1), tuple(key)
+
+
+def _apply_of(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """`function.apply` without `Function.apply`'s Python layer (functorch's dead-wrapper unwrap, which
+    `_plain` makes moot by sending calls under functorch transforms to the dispatcher): the C++ apply
+    itself, a few µs less per call. A Function with a `setup_context` keeps the whole `apply` (it binds
+    the forward's default arguments first)."""
+    if torch.autograd.function._is_setup_context_defined(function.setup_context):
+        return function.apply
+    return super(torch.autograd.Function, function).apply  # type: ignore[misc]
 
 
 class _Direct(torch.autograd.Function):
     """A kernel's eager call on neuron: forward and backward are the kernel's and its VJP's launches."""
 
     @staticmethod
-    def forward(ctx: Any, k: Kernel, *args: Any) -> Any:
-        out = k._neuron(*args)
+    def forward(ctx: Any, k: Kernel, launch: Any, *args: Any) -> Any:
+        out = launch(args)
         k._save(ctx, args, out)
         ctx.kernel = k
         return out
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        return (None, *ctx.kernel._grad(ctx, *grads, direct=True))
+        return (None, None, *ctx.kernel._grad(ctx, *grads, direct=True))
+
+
+class _Saving(torch.autograd.Function):
+    """A kernel's eager call on neuron with `Kernel.saving_backward`: its forward kernel's launch, whose
+    extra outputs its backward kernel reads."""
+
+    @staticmethod
+    def forward(ctx: Any, k: Kernel, launch: Any, *args: Any) -> Any:
+        out = launch(args)
+        n = k.saving[2]
+        ctx.kernel = k
+        ctx.save_for_backward(*args, *out[n:])
+        return out[0] if n == 1 else out[:n]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return (None, None, *ctx.kernel.saving[1]._neuron(*grads, *ctx.saved_tensors))
+
+
+_direct = _apply_of(_Direct)
+_saving = _apply_of(_Saving)
 
 
 def _register_neuron(op: Any, impl: Callable[..., Any]) -> None:
@@ -248,8 +305,8 @@ def _backward_kernel(k: Kernel, schema: Any) -> Kernel:
     try:
         # Every device but neuron: the VJP on the kernels' thread (an operator's implementation runs with
         # autograd's dispatch keys excluded, where `torch.autograd.grad` would see no graph).
-        op = torch.library.custom_op(name, lambda grads, *a: _clean(lambda: vjp(grads, *a)), mutates_args=(),
-                                     schema=vjp_schema)
+        op = torch.library.custom_op(name, lambda grads, *a: _clean(lambda: _fresh(vjp(grads, *a), [*grads, *a])),
+                                     mutates_args=(), schema=vjp_schema)
     except Exception as e:  # noqa: BLE001
         raise KernelError(f"kernel {k.name}: its backward {name} cannot be registered: {e}") from e
     bk = Kernel.__new__(Kernel)
@@ -264,6 +321,20 @@ def _backward_kernel(k: Kernel, schema: Any) -> Kernel:
     decompose(bk.overload, lambda grads, *a: _trace(bk, [list(grads), *a])(*grads, *_tensors(a)))
     return bk
 
+
+
+def _fresh(outs: list[torch.Tensor], ins: Sequence[Any]) -> list[torch.Tensor]:
+    """`outs`, each copied if it shares memory with an input or an earlier output: an operator may not
+    return its input (`a * x + y`'s gradient for y is the incoming gradient itself)."""
+    seen = {t.untyped_storage().data_ptr() for t in ins if isinstance(t, torch.Tensor)}
+    fresh = []
+    for o in outs:
+        ptr = o.untyped_storage().data_ptr()
+        if ptr in seen:
+            o = o.clone()
+        seen.add(o.untyped_storage().data_ptr())
+        fresh.append(o)
+    return fresh
 
 
 def _tensors(args: Iterable[Any]) -> list[torch.Tensor]:
@@ -354,41 +425,58 @@ class _Launch:
     """One key of a kernel in this process: its traced graph's `CompiledGraph` (the executable, or op by
     op until it is compiled / when refused), checked against the body on its first compiled run."""
 
-    def __init__(self, k: Kernel, args: Sequence[Any]) -> None:
+    def __init__(self, k: Kernel, args: Sequence[Any], rt: Any) -> None:
         self.k = k
+        self.rt = rt  # (a kernel drops its launches when the runtime is replaced)
         self.tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.list_at = [i for i, a in enumerate(args) if isinstance(a, list)]
+        self.all_tensors = len(self.tensor_at) == len(args)  # the executable's inputs are `args` themselves
         gm = _trace(k, args)
         self.graph = CompiledGraph(gm, f"kernel:{k.name}")
         self.checked = False
+        self.native: Any = None  # the graph's native runner, once checked: the hot path calls it directly
         self.lists = bool(self.list_at)
         self.returns = _returns_tuple(k)
         self.boundary = f"kernel:{k.name}"  # a fusion region ends at a kernel (TORCH_NEURONX_ENABLE_CONCATENATION)
 
-    def __call__(self, args: Sequence[Any], rt: Any) -> Any:
-        tensors = self.flat(args)
+    def __call__(self, args: Sequence[Any]) -> Any:
         flush_fusion(self.boundary)  # the executable reads its inputs' memory: queued ops run first
-        check = not self.checked and self.graph.exe is not None
-        host = [alias(t).clone() for t in tensors] if check else None
-        graph = self.graph
-        out = graph(list(tensors))
-        if graph.exe is not None and graph.refused is None:  # else its ops ran (and counted) one by one
+        native = self.native
+        out = native(list(args) if self.all_tensors else self.flat(args)) if native is not None else None
+        if out is not None:
+            self.graph.ran_natively()
+            launched = True
+        else:
+            out, launched = self.run(args)
+        if launched:
+            rt = self.rt
             with rt.lock:
                 rt.counts["executions"] += 1
+        kind = self.returns
+        if kind is False:
+            return out[0]
+        return tuple(out) if kind is True else list(out)
+
+    def run(self, args: Sequence[Any]) -> tuple[list[Any], bool]:
+        """A call through the `CompiledGraph` (the first compiled one checked against the body): its
+        outputs, and whether its executable ran (else its ops ran, and counted, one by one). From the
+        first checked call on, `__call__` calls the graph's native runner itself."""
+        tensors = self.flat(args)
+        graph = self.graph
+        check = not self.checked and graph.exe is not None
+        host = [alias(t).clone() for t in tensors] if check else None
+        out = graph(tensors)
         if check:
             self._check(args, host, out)
-        return self.result(out)
+        launched = graph.exe is not None and graph.refused is None
+        if self.checked and launched:
+            self.native = graph.native
+        return out, launched
 
     def flat(self, args: Sequence[Any]) -> list[torch.Tensor]:
         if not self.lists:
             return [args[i] for i in self.tensor_at]
         return [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
-
-    def result(self, out: list[Any]) -> Any:
-        kind = self.returns
-        if kind == "list":
-            return list(out)
-        return tuple(out) if kind else out[0]
 
     def _check(self, args: Sequence[Any], host: list[torch.Tensor] | None, out: list[Any]) -> None:
         """The executable's outputs against the body run on the host copies of the inputs."""

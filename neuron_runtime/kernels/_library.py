@@ -66,20 +66,7 @@ def _swiglu_grad(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     return grad * up * (sig * (1 + gate * (1 - sig))), grad * (gate * sig)
 
 
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        out, sig = _swiglu_saving._neuron(gate, up)
-        ctx.save_for_backward(gate, up, sig)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up, sig = ctx.saved_tensors
-        return _swiglu_grad._neuron(grad, gate, up, sig)
-
-
-swiglu.saving_backward(_SwiGLU)
+swiglu.saving_backward(_swiglu_saving, _swiglu_grad)
 
 
 def _rms_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:

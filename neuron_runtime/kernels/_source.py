@@ -6,6 +6,8 @@
       └─ neuron / CPU call  →  signature {"op": "source:mylib::axpy", "source": ..., "inputs": [[dtype, rank]],
                                "outputs": ..., "scalars": n}  →  resolver (every cache tier, signed,
                                manifests, warm)  →  the tier's compile of the source (compiler/_source.py)
+      └─ torch.compile      a region boundary (`graphs.call_between`): the graph is split at the call,
+                            its partitions compiled, the kernel's own launch in between
 
 The signature holds no sizes: the ABI passes sizes and strides at run time, so one artifact serves every
 shape. In a process, each call key (shapes, strides, number arguments) keeps its output shapes (from
@@ -23,6 +25,7 @@ import torch
 from .._native import GRAPHS, trace_run
 from ..aten import alias, flush_fusion
 from ..compiler import CompileRefused
+from ..graphs import call_between
 from ._kernel import (
     Kernel,
     KernelError,
@@ -87,6 +90,7 @@ class SourceKernel(Kernel):
         self.lock = threading.Lock()
         self.op.register_fake(self._traceable(self.shapes_of))
         _register_neuron(self.op, self._neuron)
+        call_between(self.overload)  # in a torch.compile graph: a region boundary, its own launch
         self.backward: Kernel | None = None
         self.direct, self.saving = self.reference, None
         if self.reference:  # the body's VJP, a kernel of its own (one executable on neuron)
@@ -109,6 +113,7 @@ class _SourceLaunch:
 
     def __init__(self, k: SourceKernel, args: Sequence[Any], rt: Any) -> None:
         self.k = k
+        self.rt = rt
         self.tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.scalar_at = [i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
         metas = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
@@ -131,7 +136,8 @@ class _SourceLaunch:
         self.checked = not k.reference
         self.boundary = f"kernel:{k.name}"
 
-    def __call__(self, args: Sequence[Any], rt: Any) -> Any:
+    def __call__(self, args: Sequence[Any]) -> Any:
+        rt = self.rt
         tensors = [args[i] for i in self.tensor_at]
         device = tensors[0].device if tensors else torch.device("cpu")
         on_neuron = device.type == "neuron"

@@ -53,22 +53,23 @@ def test_library_kernel_equals_eager_composition_with_one_launch(fresh_runtime: 
     ref = [a.to(DEV).requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
     want = eager(*ref)
     wants = list(want) if isinstance(want, tuple) else [want]
-    before = neuron_runtime.stats()["executions"]
-    got = kern(*dev)
-    assert neuron_runtime.stats()["executions"] - before == 1
-    gots = list(got) if isinstance(got, tuple) else [got]
-    for a, b in zip(gots, wants):
-        torch.testing.assert_close(a.cpu(), b.detach().cpu())
-    # Backward (RMSNorm's is the one the issue names; all three have one): one launch, same gradients.
     torch.manual_seed(1)
-    outs = [torch.randn(o.shape).to(DEV) for o in gots]
-    inputs = [a for a in dev if isinstance(a, torch.Tensor)]
-    before = neuron_runtime.stats()["executions"]
-    grads = torch.autograd.grad(gots, inputs, outs)
-    assert neuron_runtime.stats()["executions"] - before == 1
+    outs = [torch.randn(o.shape).to(DEV) for o in wants]
     want_grads = torch.autograd.grad(wants, [a for a in ref if isinstance(a, torch.Tensor)], outs)
-    for a, b in zip(grads, want_grads):
-        torch.testing.assert_close(a.cpu(), b.cpu())
+    inputs = [a for a in dev if isinstance(a, torch.Tensor)]
+    for _ in range(2):  # the first call compiles and is checked; the second takes the launch's hot path
+        before = neuron_runtime.stats()["executions"]
+        got = kern(*dev)
+        assert neuron_runtime.stats()["executions"] - before == 1
+        gots = list(got) if isinstance(got, tuple) else [got]
+        for a, b in zip(gots, wants):
+            torch.testing.assert_close(a.cpu(), b.detach().cpu())
+        # Backward (RMSNorm's is the one the issue names; all three have one): one launch, same gradients.
+        before = neuron_runtime.stats()["executions"]
+        grads = torch.autograd.grad(gots, inputs, outs)
+        assert neuron_runtime.stats()["executions"] - before == 1
+        for a, b in zip(grads, want_grads):
+            torch.testing.assert_close(a.cpu(), b.cpu())
 
 
 def test_use_in_llama_same_loss_and_gradients_fewer_launches(fresh_runtime: _runtime.Runtime) -> None:

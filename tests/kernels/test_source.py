@@ -5,6 +5,7 @@ body, with named errors."""
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 import pytest
@@ -87,3 +88,50 @@ def test_source_kernel_equals_cpu_one_launch_cached_recorded_and_checked(
     with pytest.raises(KernelError, match=r"kernel mylib_src::broken: its source does not compile:"
                                           r"[\s\S]*mylib_src::broken:3:\d+: error"):
         broken(xn)
+
+
+def _launches() -> int:
+    """Executables run: ops and kernels (`executions`) and torch.compile graphs (`graph_executions`)."""
+    s = neuron_runtime.stats()
+    return int(s["executions"] + s["graphs"]["graph_executions"])
+
+
+def _around_two_kernels(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    h = axpy(a * 2, b, 3.0).relu()      # partition 0 (mul) | axpy | partition 1 (relu)
+    return (axpy(h, b, 0.5) * 2).sum()  # axpy | partition 2 (mul, sum)
+
+
+@pytest.mark.parametrize("tier", ["reference", pytest.param("aoti", marks=pytest.mark.aoti)])
+def test_a_graph_calling_source_kernels_compiles_around_them(fresh_runtime: _runtime.Runtime, tmp_path: Any,
+                                                              tier: str) -> None:
+    if tier == "aoti":
+        from neuron_runtime.compiler._aoti import AotiCompiler
+
+        fresh_runtime.set_compiler(AotiCompiler(local_cache_dir=str(tmp_path / "aoti")))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, y = torch.randn(64), torch.randn(64)
+    xn, yn = x.to(DEV).requires_grad_(), y.to(DEV)
+    assert torch._dynamo.explain(_around_two_kernels)(xn, yn).graph_break_count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(_around_two_kernels, backend="neuron")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="neuron:")  # a graph refused and run op by op warns
+        loss = compiled(xn, yn)
+        loss.backward()
+        with torch.no_grad():
+            compiled(xn.detach(), yn)  # the inference graph: compiled on its first call
+            before = _launches()
+            got = compiled(xn.detach(), yn)
+            launches = _launches() - before
+    xr = x.clone().requires_grad_()
+    want = _around_two_kernels(xr, y)
+    want.backward()
+    torch.testing.assert_close(loss.cpu(), want.detach())
+    torch.testing.assert_close(got.cpu(), want.detach())
+    torch.testing.assert_close(xn.grad.cpu(), xr.grad)
+    # 3 compiled partitions + 2 kernel launches (op by op: 6, one per op).
+    assert launches == 3 + 2
+    g = neuron_runtime.stats()["graphs"]
+    assert g["graphs_refused"] == 0 and g["graph_eager_runs"] == 0
+    torch._dynamo.reset()
