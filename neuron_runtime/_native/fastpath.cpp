@@ -713,6 +713,7 @@ struct QNode {
 
 struct GroupExe {
   bool each = false;  // Python decided the group runs op by op (`run_each`); nothing below is set
+  int64_t recheck = 0;  // with `each`: hand the group to Python again after this many runs (0: never)
   AotiCall aoti;
   std::vector<at::Tensor> scalars;  // its Scalars' 0-d tensors (AotiCall::run; used under the GIL)
   PyObject* exe = nullptr;
@@ -1840,6 +1841,7 @@ void run_queue() {
   {
     auto it = g_groups.find(words);
     if (it != g_groups.end() && it->second->each) {
+      if (it->second->recheck > 0 && --it->second->recheck == 0) g_groups.erase(it);
       run_each(nodes);
       return;
     }
@@ -1901,9 +1903,10 @@ void run_queue() {
   py::object r = py::reinterpret_steal<py::object>(
       PyObject_CallFunctionObjArgs(g_from_native, pynodes.ptr(), pylive.ptr(), nullptr));
   if (!r) throw python_error();
-  if (r.ptr() == Py_False) {
+  if (r.ptr() == Py_False || (PyLong_CheckExact(r.ptr()) && PyLong_AsLongLong(r.ptr()) > 0)) {
     auto g = std::make_shared<GroupExe>();
     g->each = true;
+    g->recheck = r.ptr() == Py_False ? 0 : PyLong_AsLongLong(r.ptr());
     g_groups[words] = std::move(g);
   } else if (!r.is_none() && nodes.size() > 1) {
     g_groups[words] = group_exe(r);

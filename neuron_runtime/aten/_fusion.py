@@ -229,8 +229,9 @@ class Fusion:
                               nodes[w[0]].dsts[w[1]]._use_count() > 1)
 
     def _flush_nodes(self, nodes: list[_Node], readable: Any) -> Any:
-        """Run a flushed group (fused when hot); the fused executable it ran, None, or False when the group
-        is decided to run op by op from now on (`_each_for_good`).
+        """Run a flushed group (fused when hot); the fused executable it ran, None, False when the group
+        is decided to run op by op from now on (`_each_for_good`), or a number of flushes the native queue
+        may run it op by op before it asks again (its executable is compiling).
 
         `readable((node, output))`: whether that result must be written (see the module docstring)."""
         with self.lock:
@@ -270,7 +271,8 @@ class Fusion:
             # count. Tensors updated in place belong to the caller: always written.
             live = tuple(sorted(w for w in writer.values() if readable(w)))
             self.stats["outputs_not_materialised"] += sum(len(n.dsts) for n in nodes) - len(live)
-            if len(nodes) > 1 and seen >= self.min_seen and self.fused.get(group) is not UNFUSIBLE:
+            hot = len(nodes) > 1 and seen >= self.min_seen and self.fused.get(group) is not UNFUSIBLE
+            if hot:
                 ran = self._run_fused(group, nodes, ext, live, _into(nodes, ext, ext_index, live))
                 if ran is not None:
                     return self._decide(group, *ran)
@@ -279,7 +281,11 @@ class Fusion:
                 times = self.each_s.setdefault(group, [])
                 if len(times) < _TRIALS:
                     times.append(seconds)
-            return False if self._each_for_good(group, nodes) else None
+            if self._each_for_good(group, nodes):
+                return False
+            # hot, its executable compiling in the background: the native queue runs it op by op and asks
+            # again after `_RECHECK` flushes
+            return _RECHECK if hot and self.fused.get(group) is not UNFUSIBLE else None
 
     def _each_for_good(self, group: Any, nodes: list[_Node]) -> bool:
         """Whether a group is decided to run op by op from now on (the native queue then runs it so
@@ -444,6 +450,9 @@ _DEVICE = "neuron"
 #: group goes back op by op (a margin for what fastest-against-fastest still varies).
 _TRIALS = 3
 _SLOWER = 1.1
+#: Flushes of a hot group whose executable is compiling in the background that the native queue runs op by
+#: op itself (~3 µs an op, against ~30 through Python's flush) before it hands the group to Python again.
+_RECHECK = 8
 _AS_STRIDED = classify("aten::as_strided")
 _fusion: Fusion | None = None
 
@@ -483,7 +492,8 @@ def _native_started() -> None:
 
 def _flush_from_native(nodes: list[tuple[Any, ...]], live: list[tuple[int, int]]) -> Any:
     """A group the native queue does not run itself: run it here; the fused executable used, False when
-    the native queue may run the group op by op itself from now on, or None."""
+    the native queue may run the group op by op itself from now on, a number of flushes it may do so
+    before it asks again, or None."""
     if _fusion is None:  # pragma: no cover - the native queue is only on with fusion
         raise RuntimeError("neuron: native fusion queue without fusion")
     readable = set(live)

@@ -9,6 +9,7 @@ import sys
 import torch
 
 import neuron_runtime
+from neuron_runtime._native import _hostmem
 from neuron_runtime.aten import _fusion, _kernels
 
 # These scenarios count fused executions: the measured demotion of a group that ran slower fused than op
@@ -218,6 +219,28 @@ def main() -> int:
         out = {"ok": all(oks), "steps_ok": oks, "compiles": compiles}
     elif scenario == "region":  # a matmul, views of its queued result, softmax, reductions: one region
         out = region()
+    elif scenario == "compiling":  # a hot group whose executable compiles in the background (aoti)
+        x_c = torch.randn(64)
+        x = x_c.to(D)
+        runs: list[dict[str, int]] = []
+
+        def step() -> bool:
+            ok = torch.allclose(chain(x).cpu(), chain(x_c), rtol=1e-6, atol=1e-6)
+            runs.append(dict(_hostmem.NATIVE.fusion_counters()) if _hostmem.NATIVE is not None else {})
+            return ok
+
+        oks = [step(), step()]
+        neuron_runtime.wait_for_compiles(300)  # the ops' own executables (requested twice: compiled)
+        # hot at the second flush: its executable is requested, then again _RECHECK flushes later (a
+        # signature compiles from its second request on, docs/background.md), op by op natively meanwhile
+        for _ in range(4 * _fusion._RECHECK):
+            oks.append(step())
+            if neuron_runtime.stats()["background"]["pending"]:
+                break
+        compiling = runs[-1]
+        neuron_runtime.wait_for_compiles(300)
+        oks += [step() for _ in range(_fusion._RECHECK + 8)]  # asked again: fused, timed, then native
+        out = {"ok": all(oks), "steps_ok": oks, "while_compiling": compiling, "end": runs[-1]}
     elif scenario == "demoted":  # every group measured slower fused: each runs op by op from then on
         _fusion._SLOWER = 0.0
         a, r = inplace(steps=8), region(steps=8)
@@ -266,7 +289,6 @@ def main() -> int:
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     out["stats"] = neuron_runtime.stats()
-    from neuron_runtime._native import _hostmem
 
     out["native"] = None if _hostmem.NATIVE is None else _hostmem.NATIVE.fusion_counters()
     print(json.dumps(out))

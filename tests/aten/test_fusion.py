@@ -141,6 +141,19 @@ def test_a_group_decided_op_by_op_runs_op_by_op_in_the_native_queue(tmp_path: Pa
         assert out["native"]["ops_run_each"] > 0 and out["native"]["fused_executions"] == 0, out["native"]
 
 
+@pytest.mark.aoti
+def test_a_hot_group_runs_op_by_op_natively_while_its_executable_compiles(tmp_path: Path) -> None:
+    """Background compiles: a group hot enough to fuse whose executable is still compiling runs op by op
+    in the native queue (not through Python's flush), which hands it back to Python every few flushes
+    until the executable is there; then it runs fused."""
+    out = run("compiling", tmp_path, TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="background")
+    assert out["ok"], out["steps_ok"]
+    if out["native"] is None:
+        pytest.skip("the native layer is not loaded")
+    assert out["while_compiling"]["ops_run_each"] > 0, out
+    assert out["end"]["fused_executions"] > 0, out
+
+
 def test_an_op_that_always_flushes_alone_stops_being_queued(tmp_path: Path) -> None:
     out = run("solo", tmp_path)
     f = out["stats"]["fusion"]
