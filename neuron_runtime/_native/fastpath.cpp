@@ -1643,8 +1643,7 @@ void run_each(const std::vector<QNode>& nodes) {
       for (py::handle o : r) outs.push_back(o.is_none() ? at::Tensor() : THPVariable_Unpack(o.ptr()));
     }
     if (traced) neuron_trace::record(e.label, neuron_trace::OPS, t0);
-    if (outs.size() < node.dsts.size()) throw std::runtime_error("neuron: a queued op's executable returned too few outputs");
-    for (size_t i = 0; i < node.dsts.size(); ++i) node.dsts[i].copy_(outs[i]);
+    for (size_t i = 0; i < node.dsts.size() && i < outs.size(); ++i) node.dsts[i].copy_(outs[i]);
   }
   g_q_run_each.fetch_add(static_cast<int64_t>(nodes.size()), std::memory_order_relaxed);
 }
