@@ -96,9 +96,11 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     """Block until every executable this process asked the background compile service for is compiled
     and loaded (then the job's ops all run compiled). True when done, False if `timeout` seconds ran
     out first. Returns at once in `sync` mode (TORCH_NEURONX_COMPILE_MODE)."""
-    from .aten import runtime
+    from .aten import _fusion, runtime
 
-    return runtime().resolver.wait(timeout)
+    done = runtime().resolver.wait(timeout)
+    _fusion.compiles_landed()
+    return done
 
 
 def kernel(name: str, **options: Any) -> Any:

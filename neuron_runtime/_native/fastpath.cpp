@@ -41,6 +41,7 @@
 #include <memory>
 #include <mutex>
 #include <algorithm>
+#include <chrono>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -713,7 +714,8 @@ struct QNode {
 
 struct GroupExe {
   bool each = false;  // Python decided the group runs op by op (`run_each`); nothing below is set
-  int64_t recheck = 0;  // with `each`: hand the group to Python again after this many runs (0: never)
+  // with `each`: when to hand the group to Python again (steady clock, ns; 0: never)
+  int64_t recheck_at = 0;
   AotiCall aoti;
   std::vector<at::Tensor> scalars;  // its Scalars' 0-d tensors (AotiCall::run; used under the GIL)
   PyObject* exe = nullptr;
@@ -1840,9 +1842,13 @@ void run_queue() {
   {
     auto it = g_groups.find(words);
     if (it != g_groups.end() && it->second->each) {
-      if (it->second->recheck > 0 && --it->second->recheck == 0) g_groups.erase(it);
-      run_each(nodes);
-      return;
+      const int64_t at = it->second->recheck_at;
+      if (at == 0 || std::chrono::steady_clock::now().time_since_epoch().count() < at) {
+        run_each(nodes);
+        return;
+      }
+      g_groups.erase(it);  // time to ask Python again (its executable may be in)
+      it = g_groups.end();
     }
     if (it != g_groups.end()) {
       const bool traced = neuron_trace::on();
@@ -1903,9 +1909,13 @@ void run_queue() {
       PyObject_CallFunctionObjArgs(g_from_native, pynodes.ptr(), pylive.ptr(), nullptr));
   if (!r) throw python_error();
   if (r.ptr() == Py_False || (PyLong_CheckExact(r.ptr()) && PyLong_AsLongLong(r.ptr()) > 0)) {
-    auto g = std::make_shared<GroupExe>();
+    auto g = std::make_shared<GroupExe>();  // op by op: for good, or for the milliseconds Python said
     g->each = true;
-    g->recheck = r.ptr() == Py_False ? 0 : PyLong_AsLongLong(r.ptr());
+    if (r.ptr() != Py_False) {
+      g->recheck_at = std::chrono::steady_clock::now().time_since_epoch().count() +
+                      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                          std::chrono::milliseconds(PyLong_AsLongLong(r.ptr()))).count();
+    }
     g_groups[words] = std::move(g);
   } else if (!r.is_none() && nodes.size() > 1) {
     g_groups[words] = group_exe(r);
@@ -2141,6 +2151,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<int64_t>, std::vector<std::pair<int, int64_t>>, std::vector<bool>,
                     std::vector<at::Tensor>>())
       .def("__call__", &GraphRunner::call);
+  m.def("recheck_groups", []() {
+    for (auto& [words, g] : g_groups) {
+      if (g->each && g->recheck_at > 0) g->recheck_at = 1;
+    }
+  }, "hand the groups run op by op while their executables compile back to Python at their next flush");
   m.def("run_queue", &run_queue, "run the native fusion queue (fusion.flush does)");
   m.def("fusion_counters", &fusion_counters, "the native queue's counters since reset_counters()");
   m.def("set_pending", [](bool pending) { g_pending.store(pending); }, "whether fusion has queued ops");

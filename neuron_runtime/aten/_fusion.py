@@ -230,8 +230,8 @@ class Fusion:
 
     def _flush_nodes(self, nodes: list[_Node], readable: Any) -> Any:
         """Run a flushed group (fused when hot); the fused executable it ran, None, False when the group
-        is decided to run op by op from now on (`_each_for_good`), or a number of flushes the native queue
-        may run it op by op before it asks again (its executable is compiling).
+        is decided to run op by op from now on (`_each_for_good`), or for how many milliseconds the native
+        queue may run it op by op before it asks again (its executable is compiling).
 
         `readable((node, output))`: whether that result must be written (see the module docstring)."""
         with self.lock:
@@ -284,8 +284,8 @@ class Fusion:
             if self._each_for_good(group, nodes):
                 return False
             # hot, its executable compiling in the background: the native queue runs it op by op and asks
-            # again after `_RECHECK` flushes
-            return _RECHECK if hot and self.fused.get(group) is not UNFUSIBLE else None
+            # again `_RECHECK_MS` later
+            return _RECHECK_MS if hot and self.fused.get(group) is not UNFUSIBLE else None
 
     def _each_for_good(self, group: Any, nodes: list[_Node]) -> bool:
         """Whether a group is decided to run op by op from now on (the native queue then runs it so
@@ -366,7 +366,7 @@ class Fusion:
             if any(e >= 0 for e in into):
                 sig["into"] = [[o, e] for o, e in zip(spec, into) if e >= 0]
             try:
-                exe, _ = self.rt.executable_for(sig)
+                exe, _ = self.rt.executable_for(sig, seen=True)  # hot: seen min_seen times
             except Exception:  # noqa: BLE001 - a group that cannot compile runs op by op, for good
                 self.fused[group] = UNFUSIBLE
                 return None
@@ -450,9 +450,10 @@ _DEVICE = "neuron"
 #: group goes back op by op (a margin for what fastest-against-fastest still varies).
 _TRIALS = 3
 _SLOWER = 1.1
-#: Flushes of a hot group whose executable is compiling in the background that the native queue runs op by
-#: op itself (~3 µs an op, against ~30 through Python's flush) before it hands the group to Python again.
-_RECHECK = 8
+#: How long the native queue runs a hot group whose executable is compiling in the background op by op
+#: itself (~3 µs an op, against ~30 through Python's flush) before it hands the group to Python again to
+#: see if the executable is in (a compile takes seconds; this bounds Python's share and the delay).
+_RECHECK_MS = 50
 _AS_STRIDED = classify("aten::as_strided")
 _fusion: Fusion | None = None
 
@@ -484,6 +485,13 @@ def outmeta(info: OpInfo, key: Any) -> Any:
     return None if _fusion is None else _fusion.outmeta.get((info.qualname, key))
 
 
+def compiles_landed() -> None:
+    """The background compiles were waited for (`wait_for_compiles`): groups run op by op while their
+    executables compiled ask Python again at their next flush, not `_RECHECK_MS` later."""
+    if _fusion is not None and NATIVE is not None:
+        NATIVE.recheck_groups()
+
+
 def _native_started() -> None:
     """The native layer queued an op into its empty queue: ours holds its marker until a flush."""
     PENDING.append(_NATIVE_QUEUE)
@@ -492,8 +500,8 @@ def _native_started() -> None:
 
 def _flush_from_native(nodes: list[tuple[Any, ...]], live: list[tuple[int, int]]) -> Any:
     """A group the native queue does not run itself: run it here; the fused executable used, False when
-    the native queue may run the group op by op itself from now on, a number of flushes it may do so
-    before it asks again, or None."""
+    the native queue may run the group op by op itself from now on, for how many milliseconds it may do
+    so before it asks again, or None."""
     if _fusion is None:  # pragma: no cover - the native queue is only on with fusion
         raise RuntimeError("neuron: native fusion queue without fusion")
     readable = set(live)

@@ -128,10 +128,11 @@ class Runtime:
         return s
 
     # -- executables ------------------------------------------------------------------------------
-    def executable_for(self, sig: dict[str, Any], wait: bool | None = None) -> tuple[Executable | None, str]:
+    def executable_for(self, sig: dict[str, Any], wait: bool | None = None,
+                       seen: bool = False) -> tuple[Executable | None, str]:
         """Find or make the executable of a signature (an op's, or a fused group's graph); in background
-        mode (None, key) while it compiles (see `Resolver.resolve`)."""
-        return self.resolver.resolve(sig, wait)
+        mode (None, key) while it compiles (see `Resolver.resolve`, and its `seen`)."""
+        return self.resolver.resolve(sig, wait, seen)
 
     def close(self) -> None:
         """Write the job's manifest and disconnect from the compile service (at exit, or on reset)."""

@@ -95,13 +95,16 @@ class Resolver:
         return cache_key(sig, self.fingerprint)
 
     # -- resolution -------------------------------------------------------------------------------
-    def resolve(self, sig: dict[str, Any], wait: bool | None = None) -> tuple[Executable | None, str]:
+    def resolve(self, sig: dict[str, Any], wait: bool | None = None,
+                seen: bool = False) -> tuple[Executable | None, str]:
         """The executable of a signature and its key: memory, then the tiers, then a compile.
 
         `wait=False` (the default in background mode, TORCH_NEURONX_COMPILE_MODE): the local tier is the
         last place looked at in this call; anything else (the fleet store, a compile) happens in the
         background and the result is `(None, key)` until the executable is in the memory tier. Strict
-        mode always waits (a miss is an error, never a background compile)."""
+        mode always waits (a miss is an error, never a background compile). `seen`: the caller counted
+        the signature's sightings itself (a fusion region, TORCH_NEURONX_FUSION_MIN_SEEN): a background
+        compile is requested at once, not from the `compile_after`-th request on."""
         digest = self.key(sig)
         exe = self.executable(digest)
         if exe is not None:
@@ -111,7 +114,7 @@ class Resolver:
             wait = self.cfg.compile_mode != "background"
         if wait or self.cfg.cache_mode == "strict" or self.cache is None:
             return self.resolve_now(sig, digest)
-        return self._resolve_background(digest, sig)
+        return self._resolve_background(digest, sig, seen)
 
     def resolve_now(self, sig: dict[str, Any], digest: str | None = None) -> tuple[Executable, str]:
         """Memory, tiers, compile, blocking until the executable exists (or raising): the candidates in
@@ -184,7 +187,8 @@ class Resolver:
             return None
         return self.remember(k, cand, self.load_entry(k, entry))
 
-    def _resolve_background(self, digest: str, sig: dict[str, Any]) -> tuple[Executable | None, str]:
+    def _resolve_background(self, digest: str, sig: dict[str, Any],
+                            counted: bool = False) -> tuple[Executable | None, str]:
         bg = self.background
         waiting, refused = bg.lookup(digest)
         if refused is not None:
@@ -221,7 +225,7 @@ class Resolver:
             seen = self.seen[digest] = self.seen.get(digest, 0) + 1
         if seen == 1:
             self.count("misses")
-        if seen >= self.cfg.compile_after:
+        if seen >= self.cfg.compile_after or counted:
             bg.request(digest, sig, self.live_candidates(sig))
         return None, digest
 

@@ -231,15 +231,15 @@ def main() -> int:
 
         oks = [step(), step()]
         neuron_runtime.wait_for_compiles(300)  # the ops' own executables (requested twice: compiled)
-        # hot at the second flush: its executable is requested, then again _RECHECK flushes later (a
-        # signature compiles from its second request on, docs/background.md), op by op natively meanwhile
-        for _ in range(4 * _fusion._RECHECK):
+        # hot at the second flush: its executable is requested; it runs op by op natively meanwhile
+        for _ in range(8):
             oks.append(step())
             if neuron_runtime.stats()["background"]["pending"]:
                 break
+        oks += [step() for _ in range(3)]  # (a compile takes far longer than these)
         compiling = runs[-1]
-        neuron_runtime.wait_for_compiles(300)
-        oks += [step() for _ in range(_fusion._RECHECK + 8)]  # asked again: fused, timed, then native
+        neuron_runtime.wait_for_compiles(300)  # the group asks Python again at its next flush
+        oks += [step() for _ in range(6)]  # fused, timed, then run fused natively
         out = {"ok": all(oks), "steps_ok": oks, "while_compiling": compiling, "end": runs[-1]}
     elif scenario == "demoted":  # every group measured slower fused: each runs op by op from then on
         _fusion._SLOWER = 0.0

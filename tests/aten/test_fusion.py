@@ -144,7 +144,7 @@ def test_a_group_decided_op_by_op_runs_op_by_op_in_the_native_queue(tmp_path: Pa
 @pytest.mark.aoti
 def test_a_hot_group_runs_op_by_op_natively_while_its_executable_compiles(tmp_path: Path) -> None:
     """Background compiles: a group hot enough to fuse whose executable is still compiling runs op by op
-    in the native queue (not through Python's flush), which hands it back to Python every few flushes
+    in the native queue (not through Python's flush), which hands it back to Python every 50 ms
     until the executable is there; then it runs fused."""
     out = run("compiling", tmp_path, TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="background")
     assert out["ok"], out["steps_ok"]
