@@ -53,3 +53,22 @@ def test_arange_of_a_new_length_compiles_nothing_and_equals_cpu() -> None:
         assert torch.equal(torch.arange(end - 1, end + 3, 2, device="neuron", dtype=torch.float32).cpu(),
                            torch.arange(end - 1, end + 3, 2, dtype=torch.float32))
     assert neuron_runtime.stats()["compiles"] - before == 0
+
+
+def test_arange_on_neuron_is_one_call_not_empty_resize_and_copy() -> None:
+    # `torch.arange(..., device="neuron")` has its own kernel (aten/_decomp.py `_host_arange`): the composite
+    # (an empty neuron tensor, `arange.out`, resize_, then the range copied in) cost a decode step three
+    # runtime calls per arange (issue 43). CPU's own arange runs empty and resize_ too, never a copy.
+    cases = [((7,), {}), ((2, 9), {}), ((1, 8, 3), {"dtype": torch.float32}), ((0.5, 3.0), {}),
+             ((5,), {"dtype": torch.float16})]
+    for args, kw in cases:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = torch.arange(*args, device="neuron", **kw)
+        names = {e.name for e in prof.events()}
+        assert "aten::arange" in names and "aten::copy_" not in names, names
+        want = torch.arange(*args, **kw)
+        assert got.device.type == "neuron" and got.dtype == want.dtype and torch.equal(got.cpu(), want)
+    x = torch.arange(3.0, device="neuron", requires_grad=True)
+    assert x.requires_grad and x.is_leaf
+    with pytest.raises(RuntimeError, match="does not exist"):
+        torch.arange(3, device="neuron:1")
