@@ -68,11 +68,11 @@ from ._signature import (
 __all__ = [
     "FACTORY_OUT", "GENERATOR", "LIST_KINDS", "MINIMUMS", "OPT_TENSOR", "OPT_TENSORS", "OTHER", "PACK_MAX_NUMEL",
     "SCALAR", "SCALARS", "TENSOR", "TENSORS", "TENSOR_KINDS", "VALUE", "OpInfo", "SignatureError", "bind_symbols",
-    "build_signature",
-    "cache_key", "canonical",
+    "build_signature", "cache_key", "canonical",
     "canonical_signature", "canonical_strides",
     "class_example", "classify", "cpu_ops", "decode_dtype", "dense", "decode_value", "describe_shapes", "encode_value",
-    "flat_class", "has_nodes", "has_symbols", "is_class", "is_flat", "is_packed", "is_wrapped", "kind_of", "nodes_of", "other_instance",
+    "flat_class", "has_nodes", "has_symbols", "is_class", "is_flat", "is_packed", "is_wrapped", "kind_of", "nodes_of",
+    "other_instance",
     "policy_allows", "qualname_of", "resolve_op", "scalar_overload", "shape_classes", "tensor_descs", "tensor_meta",
     "tensors_in",
 ]

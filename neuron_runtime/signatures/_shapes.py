@@ -404,8 +404,9 @@ def _with_symbols(sig: dict[str, Any], groups: list[list[tuple[int, int]]]) -> d
 # from the inputs' sizes when the executable runs (`bind_symbols`). A graph's size is a symbol only where
 # the whole graph stays a valid call with that size changed everywhere, its size arguments with it
 # (`_free_in_graph`, on `meta` tensors): a hidden size that a head count times a head dim must equal stays
-# literal (the older rule made it a symbol whenever no size argument held it, and export refused the class). Sound as every class is: a signature maps to the class only if its own sizes and arguments
-# give the same class, and the self-check runs a second shape.
+# literal (the older rule made it a symbol whenever no size argument held it, and export refused the
+# class). Sound as every class is: a signature maps to the class only if its own sizes and arguments give
+# the same class, and the self-check runs a second shape.
 SYM = "sym"
 _FREE_CACHE: dict[str, bool] = {}
 
@@ -854,4 +855,5 @@ STATIC_PREFIXES: dict[str, str] = {
 
 __all__ = ["CLASS_VERSION", "FLAT_OPS", "FLAT_VERSION", "MINIMUMS", "SYM", "admits", "bind_symbols", "classes",
            "describe", "elementwise", "example", "flat_class", "flat_layout", "flatten", "has_symbols", "instance",
-           "is_class", "is_flat", "minimums", "other_instance", "policy_allows", "ranked_class", "shape_class", "symbols"]
+           "is_class", "is_flat", "minimums", "other_instance", "policy_allows", "ranked_class", "shape_class",
+           "symbols"]

@@ -72,3 +72,32 @@ def test_arange_on_neuron_is_one_call_not_empty_resize_and_copy() -> None:
     assert x.requires_grad and x.is_leaf
     with pytest.raises(RuntimeError, match="does not exist"):
         torch.arange(3, device="neuron:1")
+
+
+def test_static_cache_decodes_new_lengths_with_no_compile_and_equals_cpu(
+        models: tuple[LlamaForCausalLM, LlamaForCausalLM]) -> None:
+    # `cache_implementation="static"`: Hugging Face compiles the decode step with torch.compile, and each
+    # new maximum length is a new graph (its cache `[1, 1, L, 16]`, and L in the graph's size arguments).
+    # One graph class serves every L (signatures rule 3b), and the prefill's attention against the cache's
+    # first rows one packed class (issue 43).
+    cpu, dev = models
+    ids = torch.randint(3, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+
+    def gen(model: LlamaForCausalLM, device: str, n: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                  cache_implementation="static").cpu()
+
+    torch._dynamo.reset()
+    try:
+        first = gen(dev, "neuron", 3)
+        before = neuron_runtime.stats()
+        later = [gen(dev, "neuron", n) for n in (6, 11)]  # cache lengths 10 and 15: new graphs
+        after = neuron_runtime.stats()
+    finally:
+        torch._dynamo.reset()
+    assert after["graphs"]["graphs"] > before["graphs"]["graphs"]  # new lengths were new graphs
+    assert after["compiles"] - before["compiles"] == 0
+    assert torch.equal(first, gen(cpu, "cpu", 3))
+    assert all(torch.equal(got, gen(cpu, "cpu", n)) for got, n in zip(later, (6, 11)))
