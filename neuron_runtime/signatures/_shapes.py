@@ -536,12 +536,15 @@ def _needed(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[
 # [B, H, S, E] (one head size), logsumexp [B, H, L]. Its kernels read k and v with q's batch and heads
 # whatever their sizes say, so probing found no relation, the second-shape check drew every size on its
 # own and compared garbage (issue 40: the backward's class refused, one compile per sequence length).
-# The head size (`_LITERAL` letters) stays literal: a class generic over it compiled, and returned inf and
-# NaN where eager has values at its second shape (the self-check refused it; a static KV cache's prefill,
-# whose query is transposed and whose key is a packed slice of the cache, compiled once per cache length).
+# The head counts and the head size (`_LITERAL` letters) stay literal; a model never changes them, and a
+# class generic over them was refused: over the head size it compiled and returned inf and NaN where eager
+# has values at its second shape; over the heads, grouped-query attention (4 query heads over 2 KV heads,
+# two symbols) got a second shape of 5 over 3, which eager computes garbage for (NaN at random), so the
+# self-check refused the class now and then. Both measured on a static KV cache's prefill, whose query is
+# transposed and whose key is a packed slice of the cache: one compile per cache length while refused.
 _ATTENTION = {"query": "BHLE", "key": "BHSE", "value": "BHSE", "out": "BHLE", "grad_out": "BHLE",
               "logsumexp": "BHL", "attn_mask": "-LS"}
-_LITERAL = frozenset("E")
+_LITERAL = frozenset("HE")
 _TIED_DIMS: dict[str, dict[str, str]] = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": _ATTENTION,
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _ATTENTION,
