@@ -505,7 +505,8 @@ c10::Scalar wrapped_value(const at::Tensor& t) {
 // of the inputs (which all have the same sizes and dense strides), its outputs viewed back with the first
 // input's sizes and strides; inputs already 1-D and contiguous are passed as they are.
 // `packed`: the kernel of a packed class (signatures/_packed.py: small row slices of any row stride), compiled
-// for contiguous inputs: an input that is not contiguous is copied first (at most PACK_MAX_NUMEL elements).
+// for its slices described contiguous: an input that is not dense (a slice) is copied first (at most
+// PACK_MAX_NUMEL elements); a dense one (contiguous or permuted) has the layout the kernel was made for.
 // `written`: an in-place kernel's inputs it stores into (compiler/_inplace.py, `InPlace`); it was compiled
 // for inputs that do not overlap, so a call where one of them shares a byte with another input does not
 // run here (`overlaps`): the Python executable runs the in-place aten op on the host for it.
@@ -587,7 +588,7 @@ struct AotiCall {
     if (!written.empty() && overlaps(in)) return false;
     if (packed) {
       for (at::Tensor& t : in) {
-        if (t.dim() > 0 && !t.is_contiguous()) t = t.contiguous();
+        if (t.dim() > 0 && !t.is_non_overlapping_and_dense()) t = t.contiguous();
       }
     }
     at::Tensor first;  // flat: the input the outputs take their sizes and strides from

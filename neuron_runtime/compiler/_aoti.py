@@ -40,10 +40,12 @@ import torch
 
 from .. import _config
 from ..signatures import (
+    VALUE,
     build_signature,
     class_example,
     classify,
     has_nodes,
+    has_symbols,
     is_class,
     is_flat,
     is_packed,
@@ -146,7 +148,11 @@ def _plan(job: _Job) -> list[list[Any]] | None:
     exact = job.exact = class_example(cls) if cls is not None else signature
     job.into = [int(i) for _, i in exact.get("into", [])]  # inputs a fused group writes in place
     if has_nodes(exact):  # a fused group (neuron_runtime.aten._fusion) or a torch.compile graph
-        job.run = build_graph(exact, wrapped_as_tensors=True, choose=_standins.for_node)
+        # A graph class whose size arguments follow its symbols (signatures rule 3b) is traced from the
+        # class itself, so those arguments are the inputs' symbolic sizes, not the example's numbers.
+        symbolic = cls is not None and any(has_symbols(desc) for node in cls["graph"]
+                                           for _, kind, desc in node["sig"]["args"] if kind == VALUE)
+        job.run = build_graph(cls if symbolic else exact, wrapped_as_tensors=True, choose=_standins.for_node)
         job.flat = _examples.graph_inputs(exact)
         job.others = [_examples.graph_inputs(other_instance(cls))] if cls is not None else []
         return _examples.dynamic_dims(_examples.graph_inputs(cls)) if cls is not None else None
@@ -529,7 +535,7 @@ class AotiCompiler(Compiler):
         if flat:
             exe = _runner.flat_executable(exe)
         packed = is_packed(meta["signature"])
-        if packed:  # its kernel takes contiguous inputs: the slices are copied first (the native path too)
+        if packed:  # its kernel takes the slices contiguous: they are copied first (the native path too)
             exe = _runner.packed_executable(exe)
         writes_at = [int(i) for i in meta.get("writes_at", [])]
         if writes_at:
@@ -539,7 +545,7 @@ class AotiCompiler(Compiler):
         # the kernel is a flat class's (inputs viewed 1-D, outputs viewed back).
         # And for an in-place kernel, the inputs it stores into (the native path checks they overlap
         # nothing else before it calls the runner, as `_inplace.InPlace` does); and whether it is a packed
-        # class's (inputs that are not contiguous copied first, as `_runner.packed_executable` does).
+        # class's (inputs that are not dense copied first, as `_runner.packed_executable` does).
         scalar_dtypes = [_examples.SCALAR_DTYPES[t] for t in meta["scalar_types"]]
         exe.__neuron_aoti__ = (loader, scalar_dtypes,  # type: ignore[attr-defined]
                                [(i, _examples.WRAPPED_DTYPES[d]) for i, d in wrapped], flat, writes_at, packed)

@@ -18,12 +18,15 @@ from ..signatures import (
     SCALARS,
     TENSOR,
     VALUE,
+    bind_symbols,
     canonical,
     decode_value,
     has_nodes,
+    has_symbols,
     is_wrapped,
     resolve_op,
     scalar_overload,
+    tensors_in,
 )
 from . import _source
 from ._base import CompileRefused, Compiler, Executable
@@ -43,7 +46,9 @@ def build_call(signature: dict[str, Any], op: Any, wrapped_as_tensors: bool = Fa
     Generated as Python source once per executable, so a call costs one op call, not a walk of the
     signature. Wrapped numbers (`x % 4` from C++) arrive in their Tensor slots as Python numbers, which
     only the overload taking a Scalar there accepts; `wrapped_as_tensors`: the caller passes 0-d tensors
-    there instead (the aoti tier's graph inputs), so `op` itself is called."""
+    there instead (the aoti tier's graph inputs), so `op` itself is called. A graph class's size
+    argument that is a symbol (`signatures.bind_symbols`) is computed from `E`, the symbols' sizes, which
+    `run(T, S, E)` then takes (`build_graph` passes them)."""
     if not wrapped_as_tensors:
         op = scalar_overload(op, {name for name, kind, desc in signature["args"]
                                        if kind == TENSOR and is_wrapped(desc)})
@@ -73,6 +78,9 @@ def build_call(signature: dict[str, Any], op: Any, wrapped_as_tensors: bool = Fa
             expr = take("S", desc is not None)
         elif kind == SCALARS:
             expr = take("S", desc is not None, n=len(desc) if desc is not None else 0)
+        elif kind == VALUE and has_symbols(desc):
+            consts.append(desc)
+            expr = f"decode(bind(C[{len(consts) - 1}], E))"
         elif kind == VALUE:
             consts.append(decode_value(desc))
             expr = f"C[{len(consts) - 1}]"
@@ -93,9 +101,9 @@ def build_call(signature: dict[str, Any], op: Any, wrapped_as_tensors: bool = Fa
         body = f"return [{call}]"
     else:
         body = f"return list({call})"
-    src = f"def run(T, S):\n    {body}\n"
+    src = f"def run(T, S, E=None):\n    {body}\n"
     # The OpOverload's underlying builtin: one Python frame less per call.
-    scope: dict[str, Any] = {"OP": getattr(op, "_op", op), "C": consts}
+    scope: dict[str, Any] = {"OP": getattr(op, "_op", op), "C": consts, "bind": bind_symbols, "decode": decode_value}
     exec(compile(src, f"<reference {signature['op']}>", "exec"), scope)  # noqa: S102 - our own generated source
     run: Executable = scope["run"]
     return run
@@ -159,6 +167,7 @@ def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
     op without being copied anywhere. `wrapped_as_tensors`: see build_call;
     `choose(node signature, op)`: what to call for a node instead of its op (a compiler's stand-in)."""
     steps = []
+    where: dict[str, tuple[int, int]] = {}  # a graph class's symbols: (input, dim) of a size each one is
     for node in signature["graph"]:
         op = resolve(node["sig"]["op"])
         call = build_call(node["sig"], choose(node["sig"], op) if choose else op, wrapped_as_tensors)
@@ -167,6 +176,14 @@ def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
                         len(desc) if kind == SCALARS and desc is not None else 0
                         for _, kind, desc in node["sig"]["args"])
         steps.append((call, wiring, n_scalars))
+        slots = [d for _, kind, desc in node["sig"]["args"] for d in tensors_in(kind, desc)]
+        for (internal, i, _), d in zip(wiring, slots):
+            for dim, n in enumerate(d.get("sizes", ()) if not internal and isinstance(d, dict) else ()):
+                if isinstance(n, str):
+                    where.setdefault(n, (i, dim))
+    if not any(has_symbols(desc) for node in signature["graph"] for _, kind, desc in node["sig"]["args"]
+               if kind == VALUE):
+        where = {}
     def result(o: Any) -> tuple[int, int]:
         return (int(o), 0) if isinstance(o, int) else (int(o[0]), int(o[1]))
 
@@ -176,9 +193,10 @@ def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
     def run(T: Any, S: Any) -> list[Any]:
         results: list[Any] = []
         si = 0
+        env = {s: T[i].shape[dim] for s, (i, dim) in where.items()}
         for call, wiring, n_scalars in steps:
             ins = [results[i][k] if internal else T[i] for internal, i, k in wiring]
-            results.append(call(ins, S[si:si + n_scalars]))
+            results.append(call(ins, S[si:si + n_scalars], env))
             si += n_scalars
         for (j, k), i in into:
             T[i].copy_(results[j][k])

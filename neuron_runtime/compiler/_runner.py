@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..signatures import dense
 from . import _toolchain
 from ._base import Executable
 from ._examples import SCALAR_DTYPES, WRAPPED_DTYPES
@@ -115,10 +116,12 @@ def flat_executable(inner: Executable) -> Executable:
 
 
 def packed_executable(inner: Executable) -> Executable:
-    """A packed class's executable (signatures' packed-slice rule): its kernel was compiled for contiguous
-    inputs, and the class serves small row slices of any row stride, so each input that is not contiguous
-    is handed over as a contiguous copy (at most `PACK_MAX_NUMEL` elements: cheaper than a compile)."""
+    """A packed class's executable (signatures' packed-slice rule): its kernel was compiled for its slices
+    described contiguous, and the class serves small row slices of any row stride, so each input that is
+    not dense (a slice) is handed over as a contiguous copy (at most `PACK_MAX_NUMEL` elements: cheaper
+    than a compile); a dense one (contiguous, or a transposed query) is the layout the kernel was made for."""
     def exe_packed(tensors: Sequence[Any], scalars: Sequence[Any]) -> Sequence[torch.Tensor]:
-        return inner([t.contiguous() if isinstance(t, torch.Tensor) else t for t in tensors], scalars)
+        return inner([t.contiguous() if isinstance(t, torch.Tensor) and not t.is_contiguous() and
+                      not dense(list(t.shape), list(t.stride())) else t for t in tensors], scalars)
     exe_packed.loader = getattr(inner, "loader", None)  # type: ignore[attr-defined]
     return exe_packed

@@ -35,11 +35,13 @@ from ._ops import (
 )
 from ._shapes import (
     MINIMUMS,
+    bind_symbols,
     describe as describe_shapes,
     example as class_example,
     classes as shape_classes,
     flat_class,
     has_nodes,
+    has_symbols,
     is_class,
     is_flat,
     kind_of,
@@ -48,7 +50,7 @@ from ._shapes import (
     policy_allows,
     tensor_descs,
 )
-from ._packed import PACK_MAX_NUMEL, is_packed
+from ._packed import PACK_MAX_NUMEL, dense, is_packed
 from ._signature import (
     SignatureError,
     build as build_signature,
@@ -65,11 +67,12 @@ from ._signature import (
 
 __all__ = [
     "FACTORY_OUT", "GENERATOR", "LIST_KINDS", "MINIMUMS", "OPT_TENSOR", "OPT_TENSORS", "OTHER", "PACK_MAX_NUMEL",
-    "SCALAR", "SCALARS", "TENSOR", "TENSORS", "TENSOR_KINDS", "VALUE", "OpInfo", "SignatureError", "build_signature",
-    "cache_key", "canonical",
+    "SCALAR", "SCALARS", "TENSOR", "TENSORS", "TENSOR_KINDS", "VALUE", "OpInfo", "SignatureError", "bind_symbols",
+    "build_signature", "cache_key", "canonical",
     "canonical_signature", "canonical_strides",
-    "class_example", "classify", "cpu_ops", "decode_dtype", "decode_value", "describe_shapes", "encode_value",
-    "flat_class", "has_nodes", "is_class", "is_flat", "is_packed", "is_wrapped", "kind_of", "nodes_of", "other_instance",
+    "class_example", "classify", "cpu_ops", "decode_dtype", "dense", "decode_value", "describe_shapes", "encode_value",
+    "flat_class", "has_nodes", "has_symbols", "is_class", "is_flat", "is_packed", "is_wrapped", "kind_of", "nodes_of",
+    "other_instance",
     "policy_allows", "qualname_of", "resolve_op", "scalar_overload", "shape_classes", "tensor_descs", "tensor_meta",
     "tensors_in",
 ]

@@ -11,9 +11,12 @@ packed class of a signature is its ranked class with every such tensor described
 A signature gets a packed class only where that copy provably changes nothing the op returns:
   * a single op (not a fused group or graph) that writes none of its arguments and returns no view of one
     (a view of a copy would not alias the caller's tensor);
-  * every tensor is contiguous, or is a *packable slice*: not dense, at most `PACK_MAX_NUMEL` elements,
-    its dims of size >= 2 in row-major order (strides strictly decreasing): a row-major tensor with gaps,
-    whose contiguous copy has the same element order;
+  * every tensor is dense (contiguous, or a permutation of it, such as the transposed query a prefill
+    hands attention beside a KV cache's slice: passed as it is, and described as it is), or is a
+    *packable slice*: not dense, at most `PACK_MAX_NUMEL` elements, its dims of size >= 2 in row-major
+    order (strides strictly decreasing): a row-major tensor with gaps, whose contiguous copy has the same
+    element order. Only the slices are copied (an input that is not dense), so the runners tell them
+    apart without the signature;
   * the op's outputs on `meta` tensors have the same sizes and strides for the slices as for their
     contiguous copies (a kernel whose output layout follows its inputs' would differ: then no class).
 The compiler's self-check runs the class's example as the caller passes it (the slices themselves)
@@ -46,11 +49,7 @@ def _contiguous(sizes: list[int]) -> list[int]:
     return out
 
 
-def _canonical_contiguous(sizes: list[int], strides: list[int]) -> bool:
-    return all(s == c for n, s, c in zip(sizes, strides, _contiguous(sizes)) if n != 1)
-
-
-def _dense(sizes: list[int], strides: list[int]) -> bool:
+def dense(sizes: list[int], strides: list[int]) -> bool:
     """Non-overlapping and dense: the elements fill `numel` consecutive positions of memory."""
     expected = 1
     for i in sorted((i for i in range(len(sizes)) if sizes[i] != 1), key=lambda i: strides[i]):
@@ -63,7 +62,7 @@ def _dense(sizes: list[int], strides: list[int]) -> bool:
 def _packable_slice(sizes: list[int], strides: list[int]) -> bool:
     if not all(type(n) is int for n in (*sizes, *strides)) or 0 in sizes or math.prod(sizes) > PACK_MAX_NUMEL:
         return False
-    if _dense(sizes, strides):
+    if dense(sizes, strides):
         return False
     big = [strides[i] for i in range(len(sizes)) if sizes[i] != 1]
     return all(s > 0 for s in big) and all(a > b for a, b in zip(big, big[1:]))
@@ -85,7 +84,7 @@ def _plain_op(qualname: str) -> Any:
 
 def pack(sig: dict[str, Any]) -> dict[str, Any] | None:
     """`sig` with each packable slice described contiguous, or None if the rule does not apply (see the
-    module docstring: not a plain op, a tensor neither contiguous nor a packable slice, no slice at all,
+    module docstring: not a plain op, a tensor neither dense nor a packable slice, no slice at all,
     or the op's output layout on `meta` depends on the slices' strides)."""
     if "graph" in sig or sig.get("writes") or _plain_op(str(sig.get("op", ""))) is None:
         return None
@@ -96,7 +95,7 @@ def pack(sig: dict[str, Any]) -> dict[str, Any] | None:
         sizes, strides = list(d["sizes"]), list(d["strides"])
         if _packable_slice(sizes, strides):
             d["strides"], found = _contiguous(sizes), True
-        elif not all(type(n) is int for n in (*sizes, *strides)) or not _canonical_contiguous(sizes, strides):
+        elif not all(type(n) is int for n in (*sizes, *strides)) or not dense(sizes, strides):
             return None
     if not found or _meta_layouts(sig) != _meta_layouts(out) or _meta_layouts(out) is None:
         return None

@@ -42,7 +42,7 @@ import math
 import re
 from typing import Any
 
-from ._packed import PACKED_VERSION, _dense, is_packed, pack
+from ._packed import PACKED_VERSION, dense, is_packed, pack
 
 CLASS_VERSION = 1
 ANY = "*"  # the stride of a size-1 dim: never used to address memory
@@ -320,10 +320,13 @@ def _symbolic(sig: dict[str, Any]) -> dict[str, Any] | None:
         fixed = _static_sizes(sig)
         tensors = tensor_descs(sig)
         by_value: dict[int, list[tuple[int, int]]] = {}
+        tied: dict[int, list[tuple[int, int]]] = {}
         for p in positions:
-            if tensors[p[0]]["sizes"][p[1]] not in fixed:
-                by_value.setdefault(tensors[p[0]]["sizes"][p[1]], []).append(p)
-        groups = list(by_value.values())
+            n = tensors[p[0]]["sizes"][p[1]]
+            (tied if n in fixed else by_value).setdefault(n, []).append(p)
+        if kind_of(sig) == "graph":  # rule 3b: only a free size is a symbol, its size arguments with it
+            by_value = {n: ps for n, ps in {**by_value, **tied}.items() if _free_in_graph(sig, n, ps)}
+        groups = sorted(by_value.values())
     else:
         groups = _conv_tied(sig, groups)
     return _with_symbols(sig, groups)
@@ -377,13 +380,107 @@ def _with_symbols(sig: dict[str, Any], groups: list[list[tuple[int, int]]]) -> d
     if not symbol_of:
         return None
     cls = _copy({k: v for k, v in sig.items() if k != "example"})
+    symbol_at: dict[int, str] = {}
     for t, d in enumerate(tensor_descs(cls)):
         values = list(d["sizes"])
         sizes: list[Any] = [symbol_of.get((t, i), n) for i, n in enumerate(values)]
+        symbol_at.update({n: s for n, s in zip(values, sizes) if isinstance(s, str)})
         d["sizes"] = sizes
         d["strides"] = _stride_exprs(sizes, values, list(d["strides"]))
+    if kind_of(cls) == "graph":  # rule 3b: each size argument equal to a symbol's size becomes the symbol
+        for op in nodes_of(cls):
+            names = _size_args(op["op"])
+            op["args"] = [[name, kind, _tie(desc, symbol_at) if kind == "value" and name in names else desc]
+                          for name, kind, desc in op["args"]]
     cls["shapes"] = CLASS_VERSION
     return cls
+
+
+# -- rule 3b: a torch.compile graph's size arguments ----------------------------------------------------
+# A graph keeps the sizes it was traced with as arguments (`expand(k, [1, 2, 2, 15, 16])`,
+# `_unsafe_view(k, [1, 4, 15, 16])` for a static KV cache of length 15), so rule 3 kept every size of it
+# literal: Hugging Face's static cache compiled its decode graph again for each new cache length (issue
+# 43). In a graph class a size argument equal to a symbol's size is that symbol (`{"sym": "s0"}`), computed
+# from the inputs' sizes when the executable runs (`bind_symbols`). A graph's size is a symbol only where
+# the whole graph stays a valid call with that size changed everywhere, its size arguments with it
+# (`_free_in_graph`, on `meta` tensors): a hidden size that a head count times a head dim must equal stays
+# literal (the older rule made it a symbol whenever no size argument held it, and export refused the
+# class). Sound as every class is: a signature maps to the class only if its own sizes and arguments give
+# the same class, and the self-check runs a second shape.
+SYM = "sym"
+_FREE_CACHE: dict[str, bool] = {}
+
+
+def _tie(desc: Any, symbol_at: dict[int, str]) -> Any:
+    if isinstance(desc, bool) or not isinstance(desc, (int, list)):
+        return desc
+    if isinstance(desc, list):
+        return [_tie(x, symbol_at) for x in desc]
+    return {SYM: symbol_at[desc]} if desc in symbol_at else desc
+
+
+def has_symbols(desc: Any) -> bool:
+    """Whether a value argument holds a class symbol (rule 3b)."""
+    if isinstance(desc, list):
+        return any(has_symbols(x) for x in desc)
+    return isinstance(desc, dict) and SYM in desc
+
+
+def bind_symbols(desc: Any, env: dict[str, Any]) -> Any:
+    """A value argument with its class symbols replaced by their sizes in `env` (ints, or SymInts while
+    an executable is traced)."""
+    if isinstance(desc, list):
+        return [bind_symbols(x, env) for x in desc]
+    if isinstance(desc, dict) and SYM in desc:
+        return env[desc[SYM]]
+    return desc
+
+
+def _free_in_graph(sig: dict[str, Any], value: int, positions: list[tuple[int, int]]) -> bool:
+    """Whether graph `sig` is still a valid call with `value` changed to another size at `positions` and
+    in the size arguments equal to it: every node runs on `meta` tensors and returns the sizes its
+    consumers were traced with. Cached per class structure (a new length costs a lookup)."""
+    trial = _with_symbols(sig, [positions])
+    if trial is None:
+        return False
+    key = json.dumps(trial, sort_keys=True)
+    found = _FREE_CACHE.get(key)
+    if found is None:
+        taken: set[int] = set()
+        for d in tensor_descs(sig):
+            taken.update(d["sizes"])
+        other = value + 1
+        while other in taken:
+            other += 1
+        found = _graph_runs_on_meta(instance(trial, {"s0": other}))
+        if len(_FREE_CACHE) >= _NEEDED_CACHE_MAX:
+            _FREE_CACHE.clear()
+        _FREE_CACHE[key] = found
+    return found
+
+
+def _graph_runs_on_meta(sig: dict[str, Any]) -> bool:
+    import torch
+
+    from ._ops import resolve_op, tensors_in
+    from ._signature import meta_call
+
+    results: list[list[Any]] = []
+    for node in sig["graph"]:
+        op_sig = node["sig"]
+        slots = [d for _, kind, desc in op_sig["args"] for d in tensors_in(kind, desc)]
+        for w, d in zip(node["in"], slots):
+            if w[0] == "n":
+                out = results[int(w[1])]
+                k = int(w[2]) if len(w) > 2 else 0
+                if k >= len(out) or not isinstance(out[k], torch.Tensor) or list(out[k].shape) != d["sizes"]:
+                    return False
+        try:
+            res = meta_call(resolve_op(op_sig["op"]), op_sig, lambda d: (d["sizes"], d["strides"]))
+        except Exception:  # noqa: BLE001 - no meta kernel, or the op rejects the sizes: not free
+            return False
+        results.append(list(res) if isinstance(res, (tuple, list)) else [res])
+    return True
 
 
 # -- rule 2: the equalities an op needs ---------------------------------------------------------------
@@ -439,8 +536,15 @@ def _needed(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[
 # [B, H, S, E] (one head size), logsumexp [B, H, L]. Its kernels read k and v with q's batch and heads
 # whatever their sizes say, so probing found no relation, the second-shape check drew every size on its
 # own and compared garbage (issue 40: the backward's class refused, one compile per sequence length).
+# The head counts and the head size (`_LITERAL` letters) stay literal; a model never changes them, and a
+# class generic over them was refused: over the head size it compiled and returned inf and NaN where eager
+# has values at its second shape; over the heads, grouped-query attention (4 query heads over 2 KV heads,
+# two symbols) got a second shape of 5 over 3, which eager computes garbage for (NaN at random), so the
+# self-check refused the class now and then. Both measured on a static KV cache's prefill, whose query is
+# transposed and whose key is a packed slice of the cache: one compile per cache length while refused.
 _ATTENTION = {"query": "BHLE", "key": "BHSE", "value": "BHSE", "out": "BHLE", "grad_out": "BHLE",
               "logsumexp": "BHL", "attn_mask": "-LS"}
+_LITERAL = frozenset("HE")
 _TIED_DIMS: dict[str, dict[str, str]] = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": _ATTENTION,
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _ATTENTION,
@@ -448,7 +552,8 @@ _TIED_DIMS: dict[str, dict[str, str]] = {
 
 
 def _tied_groups(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[list[tuple[int, int]]] | None:
-    """Rule 2 from `_TIED_DIMS` for the ops listed there (`_symbolic`; None for others)."""
+    """Rule 2 from `_TIED_DIMS` for the ops listed there (`_symbolic`; None for others); positions of a
+    `_LITERAL` letter are in no group (they stay literal)."""
     letters = _TIED_DIMS.get(str(sig.get("op", "")))
     if letters is None:
         return None
@@ -463,6 +568,8 @@ def _tied_groups(sig: dict[str, Any], positions: list[tuple[int, int]]) -> list[
         pattern, rank = letters.get(names[t], ""), len(tensors[t]["sizes"])
         k = i - (rank - len(pattern)) if pattern.startswith("-") else i  # a mask aligns from the right
         letter = pattern[k] if 0 <= k < len(pattern) and pattern[k] != "-" else None
+        if letter in _LITERAL:
+            continue
         key = (letter, tensors[t]["sizes"][i]) if letter is not None else (t, i)
         groups.setdefault(key, []).append((t, i))
     return sorted(groups.values())
@@ -641,7 +748,7 @@ def flat_layout(sig: dict[str, Any]) -> tuple[list[int], list[int]] | None:
                 layout = mine
             elif mine != layout:
                 return None
-    if layout is None or not _dense(*layout):
+    if layout is None or not dense(*layout):
         return None
     return layout if math.prod(layout[0]) >= 2 else None
 
@@ -698,6 +805,10 @@ def instance(cls: dict[str, Any], env: dict[str, int]) -> dict[str, Any]:
         sizes = [env[s] if isinstance(s, str) else s for s in d["sizes"]]
         strides = [_evaluate(e, env, 1) for e in d["strides"]]
         d["sizes"], d["strides"] = sizes, strides
+    if kind_of(sig) == "graph":
+        for op in nodes_of(sig):
+            op["args"] = [[name, kind, bind_symbols(desc, env) if kind == "value" else desc]
+                          for name, kind, desc in op["args"]]
     return sig
 
 
@@ -745,6 +856,7 @@ STATIC_PREFIXES: dict[str, str] = {
 }
 
 
-__all__ = ["CLASS_VERSION", "FLAT_OPS", "FLAT_VERSION", "MINIMUMS", "admits", "classes", "describe", "elementwise",
-           "example", "flat_class", "flat_layout", "flatten", "instance", "is_class", "is_flat", "minimums",
-           "other_instance", "policy_allows", "ranked_class", "shape_class", "symbols"]
+__all__ = ["CLASS_VERSION", "FLAT_OPS", "FLAT_VERSION", "MINIMUMS", "SYM", "admits", "bind_symbols", "classes",
+           "describe", "elementwise", "example", "flat_class", "flat_layout", "flatten", "has_symbols", "instance",
+           "is_class", "is_flat", "minimums", "other_instance", "policy_allows", "ranked_class", "shape_class",
+           "symbols"]

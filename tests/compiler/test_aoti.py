@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -434,3 +435,49 @@ def test_native_runner_passes_scalars_after_tensors(aoti_root: Path) -> None:
     assert "API call failed" not in r.stderr, r.stderr[-2000:]
     if out["native"] is not None:
         assert out["native"] >= 2  # hits after the first call ran natively
+
+
+def test_a_prefill_against_static_caches_of_any_length_runs_one_packed_kernel(aoti_root: Path) -> None:
+    """A static KV cache's prefill: attention with a transposed query and the key and value as the first
+    rows of a cache `[1, 2, L, 16]`, whose row stride is 16 L. The packed class describes the slices
+    contiguous and keeps the query as it is, so every cache length runs one kernel (issue 43). The runners
+    copy only the slices: `add` of a transposed tensor and a slice shows it (Inductor's kernel reads the
+    transposed input with the strides it was compiled for; attention's kernel is ATen's, which reads any)."""
+    shutil.rmtree(aoti_root / "neff-prefill", ignore_errors=True)
+    script = textwrap.dedent("""
+        import json, torch, neuron_runtime
+        from neuron_runtime._native import _hostmem
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        torch.manual_seed(0)
+        ok, compiles = [], []
+
+        def call(f, *args):
+            c0 = neuron_runtime.stats()["compiles"]
+            got = f(*[a.to("neuron") if i == 0 else a for i, a in enumerate(args)])
+            compiles.append(neuron_runtime.stats()["compiles"] - c0)
+            want = f(*args)
+            got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+            ok.append(all(torch.allclose(g.cpu(), w, atol=1e-5) for g, w in zip(got, want)))
+
+        for n in (15, 23, 40, 23):  # a repeated stride runs natively (a new one is a miss of the native key)
+            q = torch.randn(1, 8, 4, 16).transpose(1, 2)  # [1, 4, 8, 16], strides [512, 16, 64, 1]
+            cache = torch.randn(2, 1, 2, n, 16)
+            call(lambda c, q: op(q.to(c.device), c[0, :, :, :8], c[1, :, :, :8], is_causal=True, scale=0.25),
+                 cache, q)
+        for n in (20, 27, 27):
+            a, b = torch.randn(8, 4).t(), torch.randn(4, n)
+            call(lambda b, a: torch.add(a.to(b.device), b[:, :8]), b, a)
+        print(json.dumps({"ok": ok, "compiles": compiles,
+                          "native": None if _hostmem.NATIVE is None else _hostmem.NATIVE.executions()}))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync",
+               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-prefill"))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900,
+                       cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(out["ok"]), out
+    assert out["compiles"] == [1, 0, 0, 0, 1, 0, 0], out
+    if out["native"] is not None:
+        assert out["native"] >= 2, out

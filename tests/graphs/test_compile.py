@@ -13,7 +13,7 @@ import torch
 import neuron_runtime
 from neuron_runtime.aten import _runtime
 from neuron_runtime.graphs import _compile, _graph
-from neuron_runtime.signatures import _signature
+from neuron_runtime.signatures import _shapes, _signature
 
 DEV = "neuron"
 
@@ -329,3 +329,38 @@ def test_compiled_optimizer_step_updates_state_in_place(fresh_runtime: _runtime.
         torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=1e-6)
     g = neuron_runtime.stats()["graphs"]
     assert g["graphs_refused"] == 0 and g["graph_executions"] == 3 and g["graph_eager_runs"] == 0, g
+
+
+def _static_cache_step(x: torch.Tensor, cache: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # A decode step against a static KV cache `[1, 2, L, 4]` (two KV heads, head size 4) read by four query
+    # heads: Dynamo writes L into the graph as size arguments (`expand(..., [1, 2, 2, L, 4])`, `view`), as
+    # Hugging Face's static cache does. The projection's 16 = heads x head size is tied by the `view`.
+    n = cache.shape[2]
+    k = cache.unsqueeze(2).expand(1, 2, 2, n, 4).reshape(1, 4, n, 4)
+    q = (x @ w).view(1, 1, 4, 4).transpose(1, 2)
+    return (q @ k.transpose(-1, -2)).softmax(-1) @ k
+
+
+def test_a_static_cache_graph_of_a_new_length_compiles_nothing(fresh_runtime: _runtime.Runtime) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # Each cache length is a new graph (Dynamo recompiles with dynamic=False) whose sizes and size arguments
+    # differ only by the length: one graph class serves them all (signatures rule 3b, issue 43).
+    torch.manual_seed(0)
+    w = torch.randn(8, 16)
+    step = torch.compile(_static_cache_step, backend="neuron", dynamic=False)
+    classes = []
+    for n in (5, 7, 12):
+        x, cache = torch.randn(1, 8), torch.randn(1, 2, n, 4)
+        with torch.no_grad():
+            got = step(x.to(DEV), cache.to(DEV), w.to(DEV)).cpu()
+        torch.testing.assert_close(got, _static_cache_step(x, cache, w))
+        assert neuron_runtime.stats()["graphs"]["compiles"] == 1, n
+        # Its class: the length a symbol (and the free input size 8), what the `view` ties (16, 4) literal.
+        gm = make_fx(lambda *a: (_static_cache_step(*a),))(x, cache, w)
+        cls = _shapes.ranked_class(_graph.signature(gm, "inference").signature)
+        assert cls is not None
+        classes.append(_signature.cache_key(cls, {}))
+        sizes = _shapes.symbols(cls).values()
+        assert sorted(sizes) == sorted([n, 8]), sizes
+    assert len(set(classes)) == 1
