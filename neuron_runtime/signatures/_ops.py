@@ -55,9 +55,9 @@ STRUCTURAL_FLOATS = {"scale_factors", "scales", "scales_h", "scales_w", "scales_
 # lerp's weight: Inductor's lowering branches on it (weight < 0.5), so it cannot be a run-time value; Adam's
 # `_foreach_lerp_(exp_avgs, grads, 1 - beta1)` passes a constant. Likewise a norm's order p and the
 # shrinkage/margin constants whose kernels branch on their value (export: "Could not guard on
-# data-dependent expression"). `pow`'s exponent: models pass constants (RMSNorm's `x.pow(2)`, its backward's
-# `pow(x, 1)`), and a compiler specialises on it (`x * x`); fed at run time it is a generic `powf` per element,
-# which made a large Llama's fused backward slower than ATen's (issue 39).
+# data-dependent expression"). `pow`'s exponent (`STRUCTURAL_SCALAR_ARGS`): models pass constants (RMSNorm's
+# `x.pow(2)`, its backward's `pow(x, 1)`), and a compiler specialises on it (`x * x`); fed at run time it is
+# a generic `powf` per element inside every RMSNorm region (issue 39). `pow.Scalar`'s base stays run time.
 # `float` arguments that change every step and are fed at run time like a Scalar (keyed by type), with
 # why: the fused optimizers' learning rate follows the LR scheduler (the Trainer's default is linear
 # decay), so keyed by value it made a new key, and a new compile or host run, every step. A compiler that
@@ -70,8 +70,9 @@ RUNTIME_FLOATS = {op: {"lr": "the LR scheduler changes it every step"}
 STRUCTURAL_SCALAR_OPS = {"addmm", "addmv", "addbmm", "baddbmm", "addr", "_addmm_activation",
                          "arange", "linspace", "logspace", "lerp", "_foreach_lerp",
                          "norm", "renorm", "dist", "multi_margin_loss", "multi_margin_loss_backward",
-                         "softshrink", "softshrink_backward", "hardshrink", "hardshrink_backward",
-                         "pow"}
+                         "softshrink", "softshrink_backward", "hardshrink", "hardshrink_backward"}
+# Single Scalar arguments keyed by value, by op (its name without overload or trailing `_`).
+STRUCTURAL_SCALAR_ARGS = {"pow": {"exponent"}}
 
 # Factories with out= (op -> its functional factory, which takes dtype/layout/device where these take out).
 FACTORY_OUT = {"arange.out": "arange", "arange.start_out": "arange.start_step", "linspace.out": "linspace",
@@ -307,10 +308,10 @@ def classify(qualname: str, special: bool = True) -> OpInfo:
             str(a.type).startswith("Optional["))
         for a in schema.arguments
     ]
-    if qualname.removeprefix("aten::").partition(".")[0].rstrip("_") in STRUCTURAL_SCALAR_OPS:
-        for arg in args:
-            if arg.kind == SCALAR:
-                arg.kind = VALUE
+    base = qualname.removeprefix("aten::").partition(".")[0].rstrip("_")
+    for arg in args:
+        if arg.kind == SCALAR and (base in STRUCTURAL_SCALAR_OPS or arg.name in STRUCTURAL_SCALAR_ARGS.get(base, ())):
+            arg.kind = VALUE
     for arg in args:
         if arg.name in RUNTIME_FLOATS.get(qualname, ()) and arg.kind == VALUE:
             arg.kind = SCALAR
@@ -390,4 +391,5 @@ def cpu_ops() -> list[str]:
     our device that loop would pay a dispatch per tensor, so they get one kernel (one executable) each."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     return sorted(n for n in torch._C._dispatch_get_all_op_names()
-                  if n.startswith("aten::") and (has(n, "CPU") or n.startswith("aten::_foreach_") or n in VIA_OUT or n in VIA_COPY))
+                  if n.startswith("aten::") and (has(n, "CPU") or n.startswith("aten::_foreach_") or n in VIA_OUT
+                                                 or n in VIA_COPY))
