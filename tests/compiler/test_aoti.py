@@ -377,17 +377,23 @@ def test_writes_overlap_finds_every_shared_byte() -> None:
     assert not writes_overlap([2.5, a], [1])                # numbers are not memory
 
 
+def _aoti_child(args: list[str], cache: Path, **env: str) -> tuple[dict[str, Any], str]:
+    """A fresh Python process (`args`) on `aoti` with sync compiles over the local cache `cache`, with no
+    other TORCH_NEURONX_ setting than `env`: its last stdout line as JSON, and its stderr."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
+    full.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync",
+                TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(cache), **env)
+    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full, timeout=900, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
 def _fusion_child(case: str, cache: Path) -> dict[str, Any]:
     """tests/aten/fusion_child.py's `case` with fusion on, on `aoti` (sync compiles, groups fused from
     their second sighting, any size), over the local cache `cache`: its JSON report."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
-    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync", TORCH_NEURONX_ENABLE_CONCATENATION="1",
-               TORCH_NEURONX_FUSION_MIN_SEEN="2", TORCH_NEURONX_FUSION_MIN_NUMEL="0",
-               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(cache))
-    r = subprocess.run([sys.executable, str(REPO / "tests" / "aten" / "fusion_child.py"), case],
-                       capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return _aoti_child([str(REPO / "tests" / "aten" / "fusion_child.py"), case], cache,
+                       TORCH_NEURONX_ENABLE_CONCATENATION="1", TORCH_NEURONX_FUSION_MIN_SEEN="2",
+                       TORCH_NEURONX_FUSION_MIN_NUMEL="0")[0]
 
 
 def test_fused_group_runs_natively_end_to_end(aoti_root: Path) -> None:
@@ -424,15 +430,9 @@ def test_native_runner_passes_scalars_after_tensors(aoti_root: Path) -> None:
         print(json.dumps({"ok": all(torch.allclose(g, torch.pow(1.5, x)) for g in got),
                           "native": None if _hostmem.NATIVE is None else _hostmem.NATIVE.executions()}))
     """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
-    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync",
-               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-pow"))
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900,
-                       cwd=REPO)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out, err = _aoti_child(["-c", script], aoti_root / "neff-pow")
     assert out["ok"]
-    assert "API call failed" not in r.stderr, r.stderr[-2000:]
+    assert "API call failed" not in err, err[-2000:]
     if out["native"] is not None:
         assert out["native"] >= 2  # hits after the first call ran natively
 
@@ -470,13 +470,7 @@ def test_a_prefill_against_static_caches_of_any_length_runs_one_packed_kernel(ao
         print(json.dumps({"ok": ok, "compiles": compiles,
                           "native": None if _hostmem.NATIVE is None else _hostmem.NATIVE.executions()}))
     """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NEURONX_")}
-    env.update(TORCH_NEURONX_COMPILER="aoti", TORCH_NEURONX_COMPILE_MODE="sync",
-               TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=str(aoti_root / "neff-prefill"))
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900,
-                       cwd=REPO)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out, _ = _aoti_child(["-c", script], aoti_root / "neff-prefill")
     assert all(out["ok"]), out
     assert out["compiles"] == [1, 0, 0, 0, 1, 0, 0], out
     if out["native"] is not None:
