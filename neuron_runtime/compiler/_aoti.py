@@ -380,8 +380,11 @@ class AotiCompiler(Compiler):
         if job.library:  # the op is one library call: its executable is that call (no C++ of its own)
             return
         scratch = self.scratch()
-        # Inductor's deprecation and future warnings are about Inductor, not the user's program.
+        # Inductor's deprecation and future warnings are about Inductor, not the user's program: recorded
+        # whatever the caller's filters say (an "error" filter made them exceptions, and the compile a
+        # refusal that the cache then kept for good).
         with _lowering.redirected(scratch), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             t0 = time.perf_counter()
             ep = _lowering.export(qualname, job.run, job.n_tensors, inputs, dynamic, restride=job.restride)
             _lowering.check_outputs(qualname, ep)

@@ -475,3 +475,20 @@ def test_a_prefill_against_static_caches_of_any_length_runs_one_packed_kernel(ao
     assert out["compiles"] == [1, 0, 0, 0, 1, 0, 0], out
     if out["native"] is not None:
         assert out["native"] >= 2, out
+
+
+def test_a_caller_that_makes_warnings_errors_still_compiles(aoti_root: Path) -> None:
+    """Inductor warns (FutureWarning, DeprecationWarning) while it lowers: a program that turns those into
+    errors got a refusal instead of an executable, and the cache kept it. The compile records them whatever
+    the caller's filters say."""
+    shutil.rmtree(aoti_root / "neff-werror", ignore_errors=True)
+    script = textwrap.dedent("""
+        import json, warnings, torch, neuron_runtime
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        x = torch.rand(8, 3)
+        ok = torch.allclose((x.to("neuron") * 3 + 1).cpu(), x * 3 + 1)
+        print(json.dumps({"ok": ok, "fallback_ops": neuron_runtime.stats()["fallback_ops"]}))
+    """)
+    out, _ = _aoti_child(["-c", script], aoti_root / "neff-werror")
+    assert out == {"ok": True, "fallback_ops": []}, out
