@@ -26,6 +26,9 @@ os.environ.setdefault("TORCH_NEURONX_COMPILER", "reference")
 # no test process writes a job manifest unless it means to.
 os.environ.setdefault("TORCH_NEURONX_COMPILE_MODE", "sync")
 os.environ.setdefault("TORCH_NEURONX_PREFETCH", "0")
+# A compile service a test starts (background mode in this process) exits seconds after its last client,
+# not after the default five minutes: the suite leaves no service behind.
+os.environ.setdefault("TORCH_NEURONX_COMPILE_IDLE_TIMEOUT", "5")
 os.environ.setdefault("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
                       tempfile.mkdtemp(prefix="neuron-test-cache-"))
 
