@@ -1579,6 +1579,17 @@ const std::unordered_map<std::string, TypedRegistrar>& typed_ops() {
   return *ops;
 }
 
+// An executable's tensor arguments for a Python call (`exe(tensors, scalars)`): host tensors as they
+// are, wrapped numbers as the Python numbers they were.
+py::list host_list(const std::vector<at::Tensor>& ts) {
+  py::list out;
+  for (const at::Tensor& t : ts) {
+    if (t.unsafeGetTensorImpl()->is_wrapped_number()) out.append(OpState::number(t));
+    else out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
+  }
+  return out;
+}
+
 // Run the native queue (fusion.flush calls this when its marker is queued; the GIL is held).
 // `into[k]`: the input the executable writes live result k into, or -1 where it returns it (see
 // fusion._into, whose rule run_queue applies).
@@ -1591,11 +1602,7 @@ bool run_group(GroupExe& g, const std::vector<QNode>& nodes, const std::vector<a
       for (const QNode& node : nodes) scalars.insert(scalars.end(), node.scalars.begin(), node.scalars.end());
       if (!g.aoti.run(ext, scalars, outs, &g.scalars)) return false;
     } else {
-      py::list tensors, scalars;
-      for (const at::Tensor& t : ext) {
-        if (t.unsafeGetTensorImpl()->is_wrapped_number()) tensors.append(OpState::number(t));
-        else tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
-      }
+      py::list tensors = host_list(ext), scalars;
       for (const QNode& node : nodes) {
         for (const c10::IValue& v : node.scalars) scalars.append(torch::jit::toPyObject(v));
       }
@@ -1634,11 +1641,7 @@ void run_each(const std::vector<QNode>& nodes) {
     std::vector<at::Tensor> outs;
     if (e.aoti.runner == nullptr || !e.aoti.run(in, node.scalars, outs)) {
       outs.clear();
-      py::list tensors, scalars;
-      for (const at::Tensor& t : in) {
-        if (t.unsafeGetTensorImpl()->is_wrapped_number()) tensors.append(OpState::number(t));
-        else tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
-      }
+      py::list tensors = host_list(in), scalars;
       for (const c10::IValue& v : node.scalars) scalars.append(torch::jit::toPyObject(v));
       py::object r = py::reinterpret_steal<py::object>(
           PyObject_CallFunctionObjArgs(e.exe, tensors.ptr(), scalars.ptr(), nullptr));

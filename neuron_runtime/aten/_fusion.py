@@ -285,7 +285,7 @@ class Fusion:
                 return False
             # hot, its executable compiling in the background: the native queue runs it op by op and asks
             # again `_RECHECK_MS` later
-            return _RECHECK_MS if hot and self.fused.get(group) is not UNFUSIBLE else None
+            return _RECHECK_MS if hot else None
 
     def _each_for_good(self, group: Any, nodes: list[_Node]) -> bool:
         """Whether a group is decided to run op by op from now on (the native queue then runs it so

@@ -40,12 +40,11 @@ import torch
 
 from .. import _config
 from ..signatures import (
-    VALUE,
     build_signature,
     class_example,
     classify,
+    graph_has_symbols,
     has_nodes,
-    has_symbols,
     is_class,
     is_flat,
     is_packed,
@@ -150,8 +149,7 @@ def _plan(job: _Job) -> list[list[Any]] | None:
     if has_nodes(exact):  # a fused group (neuron_runtime.aten._fusion) or a torch.compile graph
         # A graph class whose size arguments follow its symbols (signatures rule 3b) is traced from the
         # class itself, so those arguments are the inputs' symbolic sizes, not the example's numbers.
-        symbolic = cls is not None and any(has_symbols(desc) for node in cls["graph"]
-                                           for _, kind, desc in node["sig"]["args"] if kind == VALUE)
+        symbolic = cls is not None and graph_has_symbols(cls)
         job.run = build_graph(cls if symbolic else exact, wrapped_as_tensors=True, choose=_standins.for_node)
         job.flat = _examples.graph_inputs(exact)
         job.others = [_examples.graph_inputs(other_instance(cls))] if cls is not None else []

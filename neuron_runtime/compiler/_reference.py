@@ -21,6 +21,7 @@ from ..signatures import (
     bind_symbols,
     canonical,
     decode_value,
+    graph_has_symbols,
     has_nodes,
     has_symbols,
     is_wrapped,
@@ -167,6 +168,7 @@ def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
     op without being copied anywhere. `wrapped_as_tensors`: see build_call;
     `choose(node signature, op)`: what to call for a node instead of its op (a compiler's stand-in)."""
     steps = []
+    symbolic = graph_has_symbols(signature)
     where: dict[str, tuple[int, int]] = {}  # a graph class's symbols: (input, dim) of a size each one is
     for node in signature["graph"]:
         op = resolve(node["sig"]["op"])
@@ -176,14 +178,14 @@ def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
                         len(desc) if kind == SCALARS and desc is not None else 0
                         for _, kind, desc in node["sig"]["args"])
         steps.append((call, wiring, n_scalars))
+        if not symbolic:
+            continue
         slots = [d for _, kind, desc in node["sig"]["args"] for d in tensors_in(kind, desc)]
         for (internal, i, _), d in zip(wiring, slots):
             for dim, n in enumerate(d.get("sizes", ()) if not internal and isinstance(d, dict) else ()):
                 if isinstance(n, str):
                     where.setdefault(n, (i, dim))
-    if not any(has_symbols(desc) for node in signature["graph"] for _, kind, desc in node["sig"]["args"]
-               if kind == VALUE):
-        where = {}
+
     def result(o: Any) -> tuple[int, int]:
         return (int(o), 0) if isinstance(o, int) else (int(o[0]), int(o[1]))
 
@@ -193,7 +195,7 @@ def build_graph(signature: dict[str, Any], wrapped_as_tensors: bool = False,
     def run(T: Any, S: Any) -> list[Any]:
         results: list[Any] = []
         si = 0
-        env = {s: T[i].shape[dim] for s, (i, dim) in where.items()}
+        env = {s: T[i].shape[dim] for s, (i, dim) in where.items()} if where else None
         for call, wiring, n_scalars in steps:
             ins = [results[i][k] if internal else T[i] for internal, i, k in wiring]
             results.append(call(ins, S[si:si + n_scalars], env))

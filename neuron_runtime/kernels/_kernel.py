@@ -215,11 +215,9 @@ def _plain(args: Sequence[Any]) -> tuple[int, Any]:
                 plain = 2
             elif not plain:
                 plain = 1
-            key.append((a.dtype, a.shape, a.stride()))
-        elif isinstance(a, (list, tuple)):
-            key.append((type(a).__name__, _call_key(a)))
+            key.append((a.dtype, a.shape, a.stride()))  # (as `_call_key`)
         else:
-            key.append((type(a).__name__, a))
+            key.append(_value_key(a))
     if not plain or _profiler._is_profiler_enabled or _function_mode() or _dispatch_modes() or _functorch():
         return _NOT_PLAIN
     return (plain if plain == 1 or _grad_enabled() else 1), tuple(key)
@@ -348,11 +346,14 @@ def _call_key(args: Sequence[Any]) -> tuple[Any, ...]:
     for a in args:
         if isinstance(a, torch.Tensor):  # (only neuron tensors reach here)
             out.append((a.dtype, a.shape, a.stride()))
-        elif isinstance(a, (list, tuple)):
-            out.append((type(a).__name__, _call_key(a)))
         else:
-            out.append((type(a).__name__, a))
+            out.append(_value_key(a))
     return tuple(out)
+
+
+def _value_key(a: Any) -> tuple[str, Any]:
+    """A call key's item for an argument that is not a tensor (`_call_key`, `_plain`)."""
+    return (type(a).__name__, _call_key(a)) if isinstance(a, (list, tuple)) else (type(a).__name__, a)
 
 
 def _trace(k: Kernel, args: Sequence[Any]) -> torch.fx.GraphModule:

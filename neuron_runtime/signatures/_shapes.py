@@ -426,6 +426,12 @@ def has_symbols(desc: Any) -> bool:
     return isinstance(desc, dict) and SYM in desc
 
 
+def graph_has_symbols(sig: dict[str, Any]) -> bool:
+    """Whether a graph class has size arguments that follow its symbols (rule 3b): its executable is built
+    from the class itself, the arguments bound from the inputs' sizes."""
+    return any(has_symbols(desc) for node in sig["graph"] for _, kind, desc in node["sig"]["args"] if kind == "value")
+
+
 def bind_symbols(desc: Any, env: dict[str, Any]) -> Any:
     """A value argument with its class symbols replaced by their sizes in `env` (ints, or SymInts while
     an executable is traced)."""
@@ -857,6 +863,7 @@ STATIC_PREFIXES: dict[str, str] = {
 
 
 __all__ = ["CLASS_VERSION", "FLAT_OPS", "FLAT_VERSION", "MINIMUMS", "SYM", "admits", "bind_symbols", "classes",
-           "describe", "elementwise", "example", "flat_class", "flat_layout", "flatten", "has_symbols", "instance",
+           "describe", "elementwise", "example", "flat_class", "flat_layout", "flatten", "graph_has_symbols",
+           "has_symbols", "instance",
            "is_class", "is_flat", "minimums", "other_instance", "policy_allows", "ranked_class", "shape_class",
            "symbols"]
