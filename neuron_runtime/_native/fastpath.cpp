@@ -28,7 +28,10 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/tensor_memoryformats.h>
@@ -1760,6 +1763,146 @@ struct GraphRunner {
   }
 };
 
+// ---------------------------------------------------------------------------------------------------
+// A `neuron_runtime.kernel` call that autograd records, without Python's autograd.Function around it
+// (kernels/_kernel.py, `_Launch.autograd`): the forward graph (`fwd`, a GraphRunner) runs on the call's
+// tensors; its first `n_out` outputs are the call's results, the rest are saved for the backward with the
+// tensors. Its node runs the backward graph (`bwd`) on (gradients, tensors, saved outputs) when each
+// gradient has the dtype, sizes and strides `bwd` was made for (`want`: those of the backward Python ran
+// first), else Python's `fallback(*gradients, *tensors, *saved outputs)`, which finds the launch of the
+// gradients' own key; either returns one gradient per tensor of `edges` (the differentiable ones, by
+// index; all when empty). Created once per forward launch; called with the GIL. The Python objects it
+// holds are released under the GIL (a node may die on any thread).
+// ---------------------------------------------------------------------------------------------------
+std::atomic<int64_t> g_graph_runs{0};  // graphs these calls ran (stats()["graphs"]["graph_executions"])
+
+struct GradMeta {
+  c10::ScalarType dtype;
+  std::vector<int64_t> sizes, strides;
+  bool fits(const at::Tensor& g) const {
+    return g.scalar_type() == dtype && g.sizes().equals(sizes) && g.strides().equals(strides) &&
+           g.device().type() == c10::DeviceType::PrivateUse1;
+  }
+};
+
+struct KernelAutograd : std::enable_shared_from_this<KernelAutograd> {
+  std::string name;
+  py::object fwd, bwd, fallback;
+  size_t n_out;
+  std::vector<GradMeta> want;
+  std::vector<size_t> edges;
+
+  KernelAutograd(std::string nm, py::object f, size_t n, py::object b, const py::list& w, py::object fb,
+                 std::vector<size_t> e)
+      : name(std::move(nm)), fwd(std::move(f)), bwd(std::move(b)), fallback(std::move(fb)), n_out(n),
+        edges(std::move(e)) {
+    for (py::handle m : w) {  // (dtype, sizes, strides)
+      auto t = m.cast<py::tuple>();
+      want.push_back({reinterpret_cast<THPDtype*>(t[0].ptr())->scalar_type, t[1].cast<std::vector<int64_t>>(),
+                      t[2].cast<std::vector<int64_t>>()});
+    }
+    if (want.size() != n_out) throw std::invalid_argument("KernelAutograd: one gradient per result");
+  }
+  ~KernelAutograd() {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      fwd = py::object(), bwd = py::object(), fallback = py::object();
+    }
+  }
+
+  py::object call(const py::args& args);
+};
+
+struct KernelBackward final : torch::autograd::Node {
+  std::shared_ptr<KernelAutograd> how;
+  std::vector<torch::autograd::SavedVariable> saved;  // the arguments, then the saved outputs
+
+  std::string name() const override { return how->name + "Backward"; }
+  void release_variables() override {
+    for (auto& s : saved) s.reset_data();
+  }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const KernelAutograd& k = *how;
+    std::vector<at::Tensor> ins;
+    ins.reserve(grads.size() + saved.size());
+    bool fits = grads.size() == k.want.size();
+    for (size_t i = 0; i < grads.size(); ++i) {
+      at::Tensor g = grads[i];
+      if (fits) {
+        if (!g.defined()) {  // a result nobody used: its gradient is zeros
+          g = at::zeros(k.want[i].sizes, at::TensorOptions().dtype(k.want[i].dtype).device(kNeuron));
+        }
+        fits = k.want[i].fits(g);
+      }
+      ins.push_back(std::move(g));
+    }
+    for (const auto& s : saved) ins.push_back(s.unpack());
+    py::gil_scoped_acquire gil;
+    auto wrap = [&]() {
+      py::list l;
+      for (const at::Tensor& t : ins) {
+        l.append(t.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t)) : py::none());
+      }
+      return l;
+    };
+    py::object out = py::none();
+    if (fits) {
+      out = k.bwd.cast<GraphRunner&>().call(wrap());
+      if (!out.is_none()) {
+        g_executions.fetch_add(1, std::memory_order_relaxed);
+        g_graph_runs.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    if (out.is_none()) out = k.fallback(*wrap());
+    torch::autograd::variable_list result;
+    for (py::handle o : out) result.push_back(o.is_none() ? at::Tensor() : THPVariable_Unpack(o.ptr()));
+    if (result.size() != num_outputs()) {
+      throw std::runtime_error(how->name + ": its backward returned " + std::to_string(result.size()) +
+                               " gradients for " + std::to_string(num_outputs()) + " inputs");
+    }
+    return result;
+  }
+};
+
+py::object KernelAutograd::call(const py::args& args) {
+  py::list in;
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(args.size());
+  for (py::handle a : args) {
+    if (!THPVariable_Check(a.ptr())) throw std::invalid_argument("KernelAutograd: arguments are tensors");
+    inputs.push_back(THPVariable_Unpack(a.ptr()));
+    in.append(a);
+  }
+  if (g_pending.load()) flush_queued(("kernel:" + name).c_str());  // a fusion region ends at a kernel
+  py::object out = fwd.cast<GraphRunner&>().call(in);
+  if (out.is_none()) return out;  // the runner cannot make this call: Python's route does
+  g_executions.fetch_add(1, std::memory_order_relaxed);
+  g_graph_runs.fetch_add(1, std::memory_order_relaxed);
+  py::list outs = out.cast<py::list>();
+  if (outs.size() < n_out) throw std::runtime_error(name + ": its forward returned too few outputs");
+  auto node = c10::make_intrusive<KernelBackward>();
+  node->how = shared_from_this();
+  if (edges.empty()) {
+    node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  } else {
+    std::vector<at::Tensor> differentiable;
+    for (size_t i : edges) differentiable.push_back(inputs.at(i));
+    node->set_next_edges(torch::autograd::collect_next_edges(differentiable));
+  }
+  for (const at::Tensor& t : inputs) node->saved.emplace_back(t, false);
+  for (size_t i = n_out; i < outs.size(); ++i) node->saved.emplace_back(THPVariable_Unpack(outs[i].ptr()), false);
+  for (size_t i = 0; i < n_out; ++i) {
+    const at::Tensor& t = THPVariable_Unpack(outs[i].ptr());
+    if (torch::autograd::isDifferentiableType(t.scalar_type())) torch::autograd::set_history(t, c10::intrusive_ptr<torch::autograd::Node>(node));
+    else node->add_input_metadata(torch::autograd::Node::undefined_input());
+  }
+  if (n_out == 1) return outs[0];
+  py::tuple r(n_out);
+  for (size_t i = 0; i < n_out; ++i) r[i] = outs[i];
+  return std::move(r);
+}
+
 void run_queue() {
   std::vector<QNode> nodes;
   nodes.swap(g_queue);
@@ -2155,6 +2298,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<int64_t>, std::vector<std::pair<int, int64_t>>, std::vector<bool>,
                     std::vector<at::Tensor>>())
       .def("__call__", &GraphRunner::call);
+  py::class_<KernelAutograd, std::shared_ptr<KernelAutograd>>(
+      m, "KernelAutograd", "a kernel's eager call with its backward, as a C++ autograd node (kernels/_kernel.py)")
+      .def(py::init<std::string, py::object, size_t, py::object, const py::list&, py::object, std::vector<size_t>>())
+      .def("__call__", &KernelAutograd::call);
+  m.def("graph_runs", []() { return g_graph_runs.load(); }, "graphs kernels' native autograd calls ran");
   m.def("recheck_groups", []() {
     for (auto& [words, g] : g_groups) {
       if (g->each && g->recheck_at > 0) g->recheck_at = 1;
@@ -2184,6 +2332,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_q_ops_fused.store(0);
     g_q_not_materialised.store(0);
     g_q_run_each.store(0);
+    g_graph_runs.store(0);
   });
 }
 

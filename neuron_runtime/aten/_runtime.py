@@ -116,6 +116,8 @@ class Runtime:
             s["compiles_by_kind"] = dict(self.resolver.compile_kinds)
         s["compile_phases"] = self.resolver.phase_times.summary()
         s["graphs"] = dict(self.graph_counts, compiles=s["compiles_by_kind"]["graph"])
+        if NATIVE is not None:  # graphs run by kernels' native autograd nodes (kernels/_kernel.py)
+            s["graphs"]["graph_executions"] += NATIVE.graph_runs()
         bg = self.resolver._background
         if bg is not None:
             s["background"] = bg.stats()

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .._native import NATIVE
 from ..aten import alias, flush_fusion, runtime
 from ..graphs import CompiledGraph, decompose
 
@@ -98,9 +99,14 @@ class Kernel:
             how, key = _plain(args)
             if how == 2:
                 saving = self.saving
-                if saving is not None:  # the forward kernel takes these arguments: the same key
-                    return _saving(self, saving[0]._find(key, args), *args)
-                return _direct(self, self._find(key, args), *args)
+                # (with saving_backward, the forward kernel takes these arguments: the same key)
+                launch = (self if saving is None else saving[0])._find(key, args)
+                native = launch.autograd
+                if native is not None:
+                    out = native(*launch.flat(args))
+                    if out is not None:
+                        return out
+                return (_direct if saving is None else _saving)(self, launch, *args)
             if how == 1:
                 return self._find(key, args)(args)
         return self.op(*args, **kwargs)
@@ -240,12 +246,32 @@ class _Direct(torch.autograd.Function):
     def forward(ctx: Any, k: Kernel, launch: Any, *args: Any) -> Any:
         out = launch(args)
         k._save(ctx, args, out)
-        ctx.kernel = k
+        ctx.kernel, ctx.launch = k, launch
         return out
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        return (None, None, *ctx.kernel._grad(ctx, *grads, direct=True))
+        k, fwd = ctx.kernel, ctx.launch
+        got = k._grad(ctx, *grads, direct=True)
+        if fwd.autograd is None and fwd.native is not None and not fwd.lists and fwd.returns != "list":
+            args = list(ctx.others)
+            for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
+                args[i] = t
+            grads_in = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                        for g, (shape, dtype, device) in zip(grads, ctx.out_meta)]
+            key = _call_key([grads_in, *args])
+            backward = k.backward.launches.get(key)
+            if backward is not None:
+                others, tensor_at, n = ctx.others, ctx.tensor_at, len(grads)
+
+                def fallback(*t: Any) -> Any:
+                    a = list(others)
+                    for i, x in zip(tensor_at, t[n:]):
+                        a[i] = x
+                    return k.backward._neuron(list(t[:n]), *a)
+                edges = [j for j, i in enumerate(tensor_at) if _differentiable(args[i])]
+                fwd.learn_autograd(k.name, len(grads), backward, list(key[0][1]), fallback, edges)
+        return (None, None, *got)
 
 
 class _Saving(torch.autograd.Function):
@@ -256,13 +282,21 @@ class _Saving(torch.autograd.Function):
     def forward(ctx: Any, k: Kernel, launch: Any, *args: Any) -> Any:
         out = launch(args)
         n = k.saving[2]
-        ctx.kernel = k
+        ctx.kernel, ctx.launch = k, launch
         ctx.save_for_backward(*args, *out[n:])
         return out[0] if n == 1 else out[:n]
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        return (None, None, *ctx.kernel.saving[1]._neuron(*grads, *ctx.saved_tensors))
+        k, fwd = ctx.kernel, ctx.launch
+        backward = k.saving[1]
+        args = (*grads, *ctx.saved_tensors)
+        key = _call_key(args)
+        launch = backward._find(key, args)
+        out = launch(args)
+        if fwd.autograd is None:
+            fwd.learn_autograd(k.name, k.saving[2], launch, list(key[:len(grads)]), backward._neuron, [])
+        return (None, None, *out)
 
 
 _direct = _apply_of(_Direct)
@@ -436,6 +470,9 @@ class _Launch:
         self.graph = CompiledGraph(gm, f"kernel:{k.name}")
         self.checked = False
         self.native: Any = None  # the graph's native runner, once checked: the hot path calls it directly
+        self.autograd: Any = None  # a call autograd records, as one C++ node (`learn_autograd`)
+        plan = self.graph.plan  # (a node may only give history to results that alias no argument)
+        self.fresh_outputs = plan is not None and all(how == "x" for how, _ in plan.outputs)
         self.lists = bool(self.list_at)
         self.returns = _returns_tuple(k)
         self.boundary = f"kernel:{k.name}"  # a fusion region ends at a kernel (TORCH_NEURONX_ENABLE_CONCATENATION)
@@ -457,6 +494,18 @@ class _Launch:
         if kind is False:
             return out[0]
         return tuple(out) if kind is True else list(out)
+
+    def learn_autograd(self, name: str, n_out: int, backward: _Launch, want: list[Any], fallback: Callable[..., Any],
+                       edges: list[int]) -> None:
+        """After a backward of a call of this launch (Python's autograd.Function): when both this launch and
+        the `backward` launch it ran run natively, later calls of this key record autograd as one C++ node
+        (`NATIVE.KernelAutograd`: `n_out` results, then outputs saved for the backward; `want`: the
+        gradients' (dtype, sizes, strides) `backward` was made for; `fallback(*grads, *tensors, *saved)`:
+        Python's backward for other gradients; `edges`: the tensors that get gradients, by index; `name`:
+        the kernel the user called, whose name the node takes)."""
+        if NATIVE is not None and self.native is not None and backward.native is not None and self.fresh_outputs:
+            self.autograd = NATIVE.KernelAutograd(name, self.native, n_out, backward.native, want,
+                                                  fallback, edges)
 
     def run(self, args: Sequence[Any]) -> tuple[list[Any], bool]:
         """A call through the `CompiledGraph` (the first compiled one checked against the body): its

@@ -57,11 +57,13 @@ def test_library_kernel_equals_eager_composition_with_one_launch(fresh_runtime: 
     outs = [torch.randn(o.shape).to(DEV) for o in wants]
     want_grads = torch.autograd.grad(wants, [a for a in ref if isinstance(a, torch.Tensor)], outs)
     inputs = [a for a in dev if isinstance(a, torch.Tensor)]
-    for _ in range(2):  # the first call compiles and is checked; the second takes the launch's hot path
+    for i in range(3):  # the first call compiles and is checked; the next take the launch's hot path, and
+        # autograd records them as one native node (learned from the first call's backward)
         before = neuron_runtime.stats()["executions"]
         got = kern(*dev)
         assert neuron_runtime.stats()["executions"] - before == 1
         gots = list(got) if isinstance(got, tuple) else [got]
+        assert (gots[0].grad_fn.name() == f"{kern.name}Backward") == (i > 0), gots[0].grad_fn.name()
         for a, b in zip(gots, wants):
             torch.testing.assert_close(a.cpu(), b.detach().cpu())
         # Backward (RMSNorm's is the one the issue names; all three have one): one launch, same gradients.
@@ -93,3 +95,62 @@ def test_use_in_llama_same_loss_and_gradients_fewer_launches(fresh_runtime: _run
     for p, f in zip(plain.parameters(), fused.parameters()):
         torch.testing.assert_close(f.grad.cpu(), p.grad.cpu(), atol=1e-5, rtol=1e-4)
     assert plain.state_dict().keys() == fused.state_dict().keys()
+
+
+@pytest.mark.parametrize("tier", ["reference", pytest.param("aoti", marks=pytest.mark.aoti)])
+def test_swiglu_records_autograd_as_one_native_node(fresh_runtime: _runtime.Runtime, tmp_path: Any,
+                                                    tier: str) -> None:
+    """Once its forward and backward launches have run natively, a swiglu call autograd records is one C++
+    node (no Python autograd.Function): same results and gradients as CPU, one launch each way; gradients
+    of other strides take Python's route (on `aoti` an executable is made for its strides); autograd's
+    saved-tensor rules hold."""
+    if tier == "aoti":
+        from neuron_runtime.compiler._aoti import AotiCompiler
+
+        fresh_runtime.set_compiler(AotiCompiler(local_cache_dir=str(tmp_path / "aoti")))
+    torch.manual_seed(0)
+    g, u = torch.randn(4, 6, 10), torch.randn(4, 6, 10)
+    dg, du = g.to(DEV).requires_grad_(), u.to(DEV).requires_grad_()
+    cg, cu = g.clone().requires_grad_(), u.clone().requires_grad_()
+    want = _swiglu_eager(cg, cu)
+    grad = torch.randn(4, 6, 10)
+    want_grads = torch.autograd.grad(want, [cg, cu], grad, retain_graph=True)
+    names = []
+    for _ in range(3):
+        out = kernels.swiglu(dg, du)
+        names.append(out.grad_fn.name())
+        torch.testing.assert_close(out.cpu(), want.detach())
+        before = neuron_runtime.stats()["executions"]
+        got = torch.autograd.grad(out, [dg, du], grad.to(DEV))
+        assert neuron_runtime.stats()["executions"] - before == 1
+        for a, b in zip(got, want_grads):
+            torch.testing.assert_close(a.cpu(), b)
+    assert names == ["_SavingBackward"] + ["neuron_kernels::swigluBackward"] * 2, names
+    # A gradient of other strides (a transposed one, an expanded one): Python's route, same values.
+    t = torch.randn(10, 6, 4)
+    out = kernels.swiglu(dg, du)
+    got = torch.autograd.grad(out, [dg, du], t.to(DEV).permute(2, 1, 0))
+    for a, b in zip(got, torch.autograd.grad(want, [cg, cu], t.permute(2, 1, 0), retain_graph=True)):
+        torch.testing.assert_close(a.cpu(), b)
+    out = kernels.swiglu(dg, du)
+    assert out.grad_fn.name() == "neuron_kernels::swigluBackward"
+    got = torch.autograd.grad(out.sum(), [dg, du])
+    for a, b in zip(got, torch.autograd.grad(want.sum(), [cg, cu], retain_graph=True)):
+        torch.testing.assert_close(a.cpu(), b)
+    # Only one input needing gradients: the other gets none.
+    out = kernels.swiglu(dg, du.detach())
+    (only,) = torch.autograd.grad(out, [dg], grad.to(DEV))
+    torch.testing.assert_close(only.cpu(), want_grads[0])
+    # retain_graph, a second backward without it, and an input changed in place after the call.
+    out = kernels.swiglu(dg, du)
+    torch.autograd.grad(out, [dg, du], grad.to(DEV), retain_graph=True)
+    torch.autograd.grad(out, [dg, du], grad.to(DEV))
+    with pytest.raises(RuntimeError, match="second time|freed"):
+        torch.autograd.grad(out, [dg, du], grad.to(DEV))
+    x = du.detach().clone().requires_grad_()
+    y = x * 1.0
+    out = kernels.swiglu(dg, y)
+    with torch.no_grad():
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, [dg, x], grad.to(DEV))
