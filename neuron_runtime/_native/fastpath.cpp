@@ -32,6 +32,9 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/profiler/api.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/tensor_memoryformats.h>
@@ -1773,8 +1776,12 @@ struct GraphRunner {
 // gradients' own key; either returns one gradient per tensor of `edges` (the differentiable ones, by
 // index; all when empty). Created once per forward launch; called with the GIL. The Python objects it
 // holds are released under the GIL (a node may die on any thread).
+// `try_call(*args)` is the kernel object's whole eager call for the arguments of this launch's key
+// (`args_like`: tensors by dtype, sizes and strides; other arguments by type and value), when nothing
+// watches or transforms it (`_plain`'s conditions) and autograd records it; None otherwise.
 // ---------------------------------------------------------------------------------------------------
 std::atomic<int64_t> g_graph_runs{0};  // graphs these calls ran (stats()["graphs"]["graph_executions"])
+std::atomic<int64_t> g_runtime{0};     // bumped by a new runtime (`forget_kernels`): older calls decline
 
 struct GradMeta {
   c10::ScalarType dtype;
@@ -1791,11 +1798,26 @@ struct KernelAutograd : std::enable_shared_from_this<KernelAutograd> {
   size_t n_out;
   std::vector<GradMeta> want;
   std::vector<size_t> edges;
+  struct Arg {
+    bool tensor;
+    GradMeta meta;     // a tensor's
+    py::object value;  // anything else's
+  };
+  std::vector<Arg> key;
+  int64_t runtime = g_runtime.load();
 
   KernelAutograd(std::string nm, py::object f, size_t n, py::object b, const py::list& w, py::object fb,
-                 std::vector<size_t> e)
+                 std::vector<size_t> e, const py::list& args_like)
       : name(std::move(nm)), fwd(std::move(f)), bwd(std::move(b)), fallback(std::move(fb)), n_out(n),
         edges(std::move(e)) {
+    for (py::handle a : args_like) {
+      if (THPVariable_Check(a.ptr())) {
+        const at::Tensor& t = THPVariable_Unpack(a.ptr());
+        key.push_back({true, {t.scalar_type(), t.sizes().vec(), t.strides().vec()}, py::object()});
+      } else {
+        key.push_back({false, {}, py::reinterpret_borrow<py::object>(a)});
+      }
+    }
     for (py::handle m : w) {  // (dtype, sizes, strides)
       auto t = m.cast<py::tuple>();
       want.push_back({reinterpret_cast<THPDtype*>(t[0].ptr())->scalar_type, t[1].cast<std::vector<int64_t>>(),
@@ -1807,10 +1829,42 @@ struct KernelAutograd : std::enable_shared_from_this<KernelAutograd> {
     if (Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
       fwd = py::object(), bwd = py::object(), fallback = py::object();
+      for (Arg& a : key) a.value = py::object();
     }
   }
 
-  py::object call(const py::args& args);
+  py::object call(const py::tuple& args);
+
+  py::object try_call(const py::args& args) {
+    if (args.size() != key.size() || runtime != g_runtime.load() || !at::GradMode::is_enabled() ||
+        C10_UNLIKELY(torch::profiler::impl::profilerEnabled() || at::impl::torch_function_mode_enabled() ||
+                     c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
+                     c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))) {
+      return py::none();
+    }
+    py::tuple tensors(std::count_if(key.begin(), key.end(), [](const Arg& a) { return a.tensor; }));
+    bool grad = false;
+    size_t j = 0;
+    for (size_t i = 0; i < key.size(); ++i) {
+      PyObject* a = PyTuple_GET_ITEM(args.ptr(), i);
+      if (!key[i].tensor) {  // a constant of the traced graph: the same type and value
+        if (Py_TYPE(a) != Py_TYPE(key[i].value.ptr())) return py::none();
+        int eq = PyObject_RichCompareBool(a, key[i].value.ptr(), Py_EQ);
+        if (eq != 1) {
+          if (eq < 0) PyErr_Clear();
+          return py::none();
+        }
+        continue;
+      }
+      if (!THPVariable_CheckExact(a)) return py::none();  // (a Tensor or a Parameter, no subclass)
+      const at::Tensor& t = THPVariable_Unpack(a);
+      if (!key[i].meta.fits(t)) return py::none();
+      grad = grad || t.requires_grad();
+      PyTuple_SET_ITEM(tensors.ptr(), j++, py::reinterpret_borrow<py::object>(a).release().ptr());
+    }
+    if (!grad) return py::none();
+    return call(tensors);
+  }
 };
 
 struct KernelBackward final : torch::autograd::Node {
@@ -1865,7 +1919,8 @@ struct KernelBackward final : torch::autograd::Node {
   }
 };
 
-py::object KernelAutograd::call(const py::args& args) {
+py::object KernelAutograd::call(const py::tuple& args) {
+  if (runtime != g_runtime.load()) return py::none();  // made with another runtime's executables
   py::list in;
   std::vector<at::Tensor> inputs;
   inputs.reserve(args.size());
@@ -2300,9 +2355,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &GraphRunner::call);
   py::class_<KernelAutograd, std::shared_ptr<KernelAutograd>>(
       m, "KernelAutograd", "a kernel's eager call with its backward, as a C++ autograd node (kernels/_kernel.py)")
-      .def(py::init<std::string, py::object, size_t, py::object, const py::list&, py::object, std::vector<size_t>>())
-      .def("__call__", &KernelAutograd::call);
+      .def(py::init<std::string, py::object, size_t, py::object, const py::list&, py::object, std::vector<size_t>,
+                    const py::list&>())
+      .def("__call__", [](KernelAutograd& k, const py::args& a) { return k.call(a); })
+      .def("try_call", &KernelAutograd::try_call);
   m.def("graph_runs", []() { return g_graph_runs.load(); }, "graphs kernels' native autograd calls ran");
+  m.def("forget_kernels", []() { g_runtime.fetch_add(1); }, "a new runtime: every KernelAutograd declines");
   m.def("recheck_groups", []() {
     for (auto& [words, g] : g_groups) {
       if (g->each && g->recheck_at > 0) g->recheck_at = 1;

@@ -432,6 +432,8 @@ def reset_runtime(cfg: _config.Config | None = None) -> Runtime:
     for info, exes in _EXES.values():
         exes.clear()
     _forget_native()
+    if NATIVE is not None:
+        NATIVE.forget_kernels()  # kernels' native calls (kernels/_kernel.py) were made with the old one
     return _current
 
 

@@ -59,6 +59,8 @@ class Kernel:
     """One kernel: `self(*args)` calls the operator (`self.op`, the `torch.library.CustomOpDef`).
     `register_autograd(backward, setup_context=...)` replaces the backward made from the body."""
 
+    hot: Any = None  # the `_Launch.autograd` of the last call `__call__` made with it
+
     def __init__(self, name: str, fn: Callable[..., Any], mutates_args: Iterable[str] | str = ()) -> None:
         if "::" not in name:
             raise KernelError(f"kernel {name!r}: name it 'namespace::name' (e.g. 'mylib::{name}')")
@@ -94,8 +96,14 @@ class Kernel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The operator. A plain eager call on neuron tensors (no tracing, no mode, no profiler, no
         keyword arguments) goes straight to the executable: the same launch and backward as the
-        dispatcher's route, without torch.library's Python layers around it, its key derived once."""
+        dispatcher's route, without torch.library's Python layers around it, its key derived once; a call
+        autograd records with the arguments of the last such call is one C++ call (`hot`)."""
         if not kwargs and self.direct:
+            hot = self.hot
+            if hot is not None and not _compiling():  # (Dynamo first: it cannot trace a C++ call)
+                out = hot.try_call(*args)
+                if out is not None:
+                    return out
             how, key = _plain(args)
             if how == 2:
                 saving = self.saving
@@ -105,6 +113,7 @@ class Kernel:
                 if native is not None:
                     out = native(*launch.flat(args))
                     if out is not None:
+                        self.hot = native
                         return out
                 return (_direct if saving is None else _saving)(self, launch, *args)
             if how == 1:
@@ -270,7 +279,7 @@ class _Direct(torch.autograd.Function):
                         a[i] = x
                     return k.backward._neuron(list(t[:n]), *a)
                 edges = [j for j, i in enumerate(tensor_at) if _differentiable(args[i])]
-                fwd.learn_autograd(k.name, len(grads), backward, list(key[0][1]), fallback, edges)
+                fwd.learn_autograd(k.name, len(grads), backward, list(key[0][1]), fallback, edges, args)
         return (None, None, *got)
 
 
@@ -282,7 +291,7 @@ class _Saving(torch.autograd.Function):
     def forward(ctx: Any, k: Kernel, launch: Any, *args: Any) -> Any:
         out = launch(args)
         n = k.saving[2]
-        ctx.kernel, ctx.launch = k, launch
+        ctx.kernel, ctx.launch, ctx.n_args = k, launch, len(args)
         ctx.save_for_backward(*args, *out[n:])
         return out[0] if n == 1 else out[:n]
 
@@ -295,7 +304,8 @@ class _Saving(torch.autograd.Function):
         launch = backward._find(key, args)
         out = launch(args)
         if fwd.autograd is None:
-            fwd.learn_autograd(k.name, k.saving[2], launch, list(key[:len(grads)]), backward._neuron, [])
+            fwd.learn_autograd(k.name, k.saving[2], launch, list(key[:len(grads)]), backward._neuron, [],
+                               list(ctx.saved_tensors[:ctx.n_args]))
         return (None, None, *out)
 
 
@@ -496,16 +506,16 @@ class _Launch:
         return tuple(out) if kind is True else list(out)
 
     def learn_autograd(self, name: str, n_out: int, backward: _Launch, want: list[Any], fallback: Callable[..., Any],
-                       edges: list[int]) -> None:
+                       edges: list[int], args: list[Any]) -> None:
         """After a backward of a call of this launch (Python's autograd.Function): when both this launch and
         the `backward` launch it ran run natively, later calls of this key record autograd as one C++ node
         (`NATIVE.KernelAutograd`: `n_out` results, then outputs saved for the backward; `want`: the
         gradients' (dtype, sizes, strides) `backward` was made for; `fallback(*grads, *tensors, *saved)`:
         Python's backward for other gradients; `edges`: the tensors that get gradients, by index; `name`:
-        the kernel the user called, whose name the node takes)."""
+        the kernel the user called, whose name the node takes; `args`: a call of this key)."""
         if NATIVE is not None and self.native is not None and backward.native is not None and self.fresh_outputs:
             self.autograd = NATIVE.KernelAutograd(name, self.native, n_out, backward.native, want,
-                                                  fallback, edges)
+                                                  fallback, edges, args)
 
     def run(self, args: Sequence[Any]) -> tuple[list[Any], bool]:
         """A call through the `CompiledGraph` (the first compiled one checked against the body): its

@@ -154,3 +154,41 @@ def test_swiglu_records_autograd_as_one_native_node(fresh_runtime: _runtime.Runt
         y.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(out, [dg, x], grad.to(DEV))
+
+
+def test_a_hot_call_declines_what_its_key_does_not_cover(fresh_runtime: _runtime.Runtime) -> None:
+    """After two calls, rms_norm's call with the same arguments' key is one C++ call (`Kernel.hot`); any
+    other call (another constant, shape or device, no gradient, the profiler, a new runtime) takes the
+    route it took before and computes what the body does."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 8, 64), torch.randn(64)
+    dx, dw = x.to(DEV).requires_grad_(), w.to(DEV).requires_grad_()
+    for _ in range(2):
+        kernels.rms_norm(dx, dw, 1e-6).sum().backward()
+    assert kernels.rms_norm.hot is not None
+
+    def check(out: torch.Tensor, *args: Any) -> None:
+        torch.testing.assert_close(out.detach().cpu(), _rms_eager(*args).detach())
+
+    out = kernels.rms_norm(dx, dw, 1e-6)
+    assert out.grad_fn.name() == "neuron_kernels::rms_normBackward"
+    check(out, x, w, 1e-6)
+    check(kernels.rms_norm(dx, dw, 0.5), x, w, 0.5)               # another constant
+    check(kernels.rms_norm(dx, dw, 1), x, w, 1)                   # another type (int, not float)
+    x2 = torch.randn(3, 8, 64)
+    check(kernels.rms_norm(x2.to(DEV).requires_grad_(), dw, 1e-6), x2, w, 1e-6)  # another shape
+    check(kernels.rms_norm(x.to(DEV).transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(), dw, 1e-6),
+          x, w, 1e-6)                                             # other strides
+    assert kernels.rms_norm(x.requires_grad_(), w, 1e-6).device.type == "cpu"
+    with torch.no_grad():
+        assert kernels.rms_norm(dx, dw, 1e-6).grad_fn is None
+    with torch.profiler.profile() as prof:
+        out = kernels.rms_norm(dx, dw, 1e-6)
+    assert out.grad_fn.name() != "neuron_kernels::rms_normBackward"
+    assert any(e.name == "neuron_kernels::rms_norm" for e in prof.events())
+    check(out, x, w, 1e-6)
+    rt = _runtime.reset_runtime()  # a new runtime: the hot call was made with the old one's executables
+    assert kernels.rms_norm.hot.try_call(dx, dw, 1e-6) is None
+    out = kernels.rms_norm(dx, dw, 1e-6)
+    check(out, x, w, 1e-6)
+    assert rt.stats()["executions"] >= 1
