@@ -130,9 +130,12 @@ class Fusion:
         self.flushed: dict[tuple[str, Any], int] = {}
         self.grouped: set[tuple[str, Any]] = set()
         self.solo: set[tuple[str, Any]] = set()
+        # Per (op, key): the groups of several ops it was in. Once every one of them is decided op by op,
+        # it is no longer queued either (`_each_for_good`): queueing it would only add its cost to a run.
+        self.groups_of: dict[tuple[str, Any], set[Any]] = {}
         self.stats: dict[str, Any] = {"groups_fused": 0, "ops_fused": 0, "fused_executions": 0,
                                       "ops_buffered": 0, "outputs_not_materialised": 0, "ops_not_queued": 0,
-                                      "ops_run_each": 0, "groups_slower_fused": 0,
+                                      "ops_run_each": 0, "groups_slower_fused": 0, "ops_unqueued": 0,
                                       "flushes": {}}
         del PENDING[:]
         _native_pending(False)
@@ -264,7 +267,7 @@ class Fusion:
                 structure.append((node.info.qualname, node.key, tuple(wiring)))
             group = tuple(structure)
             seen = self.seen[group] = self.seen.get(group, 0) + 1
-            self._note_flushed(nodes)
+            self._note_flushed(nodes, group if seen == 1 else None)
             # Each written tensor gets its last writer's result, and only if it can still be read: a
             # buffer allocated for a queued op is referenced by its neuron tensor's storage (and so by its
             # views and autograd's saved tensors) while anything can read it; our references add no use
@@ -311,10 +314,26 @@ class Fusion:
         if len(trials) < _TRIALS:
             return None
         if min(trials[1:]) > _SLOWER * min(self.each_s.get(group) or [float("inf")]):
-            self.fused[group] = UNFUSIBLE
             self.stats["groups_slower_fused"] += 1
+            self._op_by_op(group)
             return None
         return exe
+
+    def _op_by_op(self, group: Any) -> None:
+        """Decide `group` runs op by op for good."""
+        self.fused[group] = UNFUSIBLE
+        self._unqueue(group)
+
+    def _unqueue(self, group: Any) -> None:
+        """The ops of `group` (decided op by op) whose every group is so decided stop being queued
+        (`ops_unqueued`): a queued op costs about what its launch does, and a group run op by op pays both."""
+        gone = [k for k in {(s[0], s[1]) for s in group} if k not in self.solo and
+                all(self.fused.get(g) is UNFUSIBLE for g in self.groups_of.get(k, ()))]
+        if gone:
+            self.solo.update(gone)
+            self.stats["ops_unqueued"] += len(gone)
+            if NATIVE is not None:
+                NATIVE.clear()  # native kernels ask `queues` again
 
     def queues(self, info: OpInfo, key: Any) -> bool:
         """Whether calls of this op and key are queued (the native hit path asks once per key)."""
@@ -328,12 +347,14 @@ class Fusion:
                 out[k] += v
         return out
 
-    def _note_flushed(self, nodes: list[_Node]) -> None:
+    def _note_flushed(self, nodes: list[_Node], new_group: Any) -> None:
         alone = len(nodes) == 1
         for node in nodes:
             k = (node.info.qualname, node.key)
             if not alone:
                 self.grouped.add(k)
+                if new_group is not None:
+                    self.groups_of.setdefault(k, set()).add(new_group)
             elif k not in self.grouped and k not in self.solo:
                 n = self.flushed[k] = self.flushed.get(k, 0) + 1
                 if n >= self.min_seen:
@@ -368,7 +389,7 @@ class Fusion:
             try:
                 exe, _ = self.rt.executable_for(sig, seen=True)  # hot: seen min_seen times
             except Exception:  # noqa: BLE001 - a group that cannot compile runs op by op, for good
-                self.fused[group] = UNFUSIBLE
+                self._op_by_op(group)
                 return None
             if exe is None:
                 return None  # compiling in the background: op by op until it is ready
@@ -379,7 +400,7 @@ class Fusion:
         try:
             outs = trace_run(exe, ext, scalars, FUSED)  # ext: tensors, and numbers in tensor slots
         except Exception:  # noqa: BLE001
-            self.fused[group] = UNFUSIBLE
+            self._op_by_op(group)
             return None
         for (j, i), o in zip([w for w, e in zip(live, into) if e < 0], outs):
             nodes[j].dsts[i].copy_(o)

@@ -243,8 +243,16 @@ def main() -> int:
         out = {"ok": all(oks), "steps_ok": oks, "while_compiling": compiling, "end": runs[-1]}
     elif scenario == "demoted":  # every group measured slower fused: each runs op by op from then on
         _fusion._SLOWER = 0.0
+        _fusion.Fusion._unqueue = lambda self, group: None  # its ops stay queued (as when another group fuses them)
         a, r = inplace(steps=8), region(steps=8)
         out = {"ok": a["ok"] and r["ok"], "steps_ok": [a["steps_ok"], r["steps_ok"]]}
+    elif scenario == "unqueued":  # every group measured slower fused: its ops are no longer queued
+        _fusion._SLOWER = 0.0
+        a = inplace(steps=8)
+        before = neuron_runtime.stats()["fusion"]["ops_buffered"]
+        b = inplace(steps=3)
+        out = {"ok": a["ok"] and b["ok"], "steps_ok": [a["steps_ok"], b["steps_ok"]],
+               "buffered_after": neuron_runtime.stats()["fusion"]["ops_buffered"] - before}
     elif scenario == "views_elsewhere":  # views of memory no queued op writes do not flush
         x, w = torch.randn(64, device=D), torch.randn(8, 8, device=D)
         for _ in range(4):

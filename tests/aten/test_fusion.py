@@ -112,7 +112,7 @@ def test_a_region_holds_matmuls_reductions_and_views_of_its_results(tmp_path: Pa
 def test_a_group_slower_fused_than_op_by_op_runs_op_by_op() -> None:
     """The measured decision (`Fusion._decide`): after its timed trial runs, a group stays fused only if
     its fastest warm fused run (the first is its cold start) is not over 10 % slower than its fastest
-    op-by-op run."""
+    op-by-op run; an op whose every group runs op by op is no longer queued."""
     from neuron_runtime import _config
     from neuron_runtime.aten import _fusion
 
@@ -120,13 +120,18 @@ def test_a_group_slower_fused_than_op_by_op_runs_op_by_op() -> None:
         cfg = _config.Config()
 
     f = _fusion.Fusion(Runtime())
-    f.each_s = {"fast": [1.5, 1.0, 1.2], "slow": [1.5, 1.0, 1.2]}
+    mul, add, sub = ("aten::mul.Tensor", 1), ("aten::add.Tensor", 2), ("aten::sub.Tensor", 3)
+    fast, slow = (mul + ((),), sub + ((),)), (mul + ((),), add + ((),))  # (op, key, wiring) per node
+    f.groups_of = {mul: {fast, slow}, add: {slow}, sub: {fast}}
+    f.each_s = {fast: [1.5, 1.0, 1.2], slow: [1.5, 1.0, 1.2]}
     exe = object()
     # the cold first run is not compared; 1.05 is within the margin of the fastest op-by-op run (1.0)
-    assert [f._decide("fast", exe, s) for s in (9.0, 1.3, 1.05)] == [None, None, exe]
-    assert f._decide("fast", exe, 5.0) is exe  # decided: later runs are not timed
-    assert [f._decide("slow", exe, s) for s in (0.5, 1.3, 1.2)] == [None, None, None]
-    assert f.fused["slow"] is _fusion.UNFUSIBLE and f.stats["groups_slower_fused"] == 1
+    assert [f._decide(fast, exe, s) for s in (9.0, 1.3, 1.05)] == [None, None, exe]
+    assert f._decide(fast, exe, 5.0) is exe  # decided: later runs are not timed
+    assert [f._decide(slow, exe, s) for s in (0.5, 1.3, 1.2)] == [None, None, None]
+    assert f.fused[slow] is _fusion.UNFUSIBLE and f.stats["groups_slower_fused"] == 1
+    # add was only ever in the slow group: no longer queued; mul still fuses in the fast one
+    assert f.solo == {add} and f.stats["ops_unqueued"] == 1
 
 
 def test_a_group_decided_op_by_op_runs_op_by_op_in_the_native_queue(tmp_path: Path) -> None:
@@ -139,6 +144,15 @@ def test_a_group_decided_op_by_op_runs_op_by_op_in_the_native_queue(tmp_path: Pa
     assert f["groups_slower_fused"] >= 2, f
     if out["native"] is not None:
         assert out["native"]["ops_run_each"] > 0 and out["native"]["fused_executions"] == 0, out["native"]
+
+
+def test_the_ops_of_groups_decided_op_by_op_are_no_longer_queued(tmp_path: Path) -> None:
+    """Once every group an op was in runs op by op for good, the op runs as it would without fusion (a
+    queued op costs about its launch, and a group run op by op would pay both); results stay CPU's."""
+    out = run("unqueued", tmp_path)
+    assert out["ok"], out["steps_ok"]
+    assert out["stats"]["fusion"]["ops_unqueued"] > 0, out["stats"]["fusion"]
+    assert out["buffered_after"] == 0, out
 
 
 @pytest.mark.aoti
