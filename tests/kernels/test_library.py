@@ -4,6 +4,7 @@ neuron, one launch per call, and `use_in_llama` on a Hugging Face Llama (referen
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 import neuron_runtime
 from neuron_runtime import kernels
 from neuron_runtime.aten import _runtime
+from rt_helpers import run_python
 
 DEV = "neuron"
 
@@ -192,3 +194,48 @@ def test_a_hot_call_declines_what_its_key_does_not_cover(fresh_runtime: _runtime
     out = kernels.rms_norm(dx, dw, 1e-6)
     check(out, x, w, 1e-6)
     assert rt.stats()["executions"] >= 1
+
+
+_IN_REGIONS = r"""
+import json, torch, neuron_runtime
+from neuron_runtime import kernels
+torch.manual_seed(0)
+g, u, w = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
+def forward(g, u, w):
+    uw = u * w
+    h = torch.sigmoid(g) * 2 + 1                # queued
+    y = kernels.swiglu(h, uw)                   # ends the region, then the kernel's launch (or C++ node)
+    return ((y * w).tanh() + y).sum(), y        # queued again
+oks, nodes = [], []
+for _ in range(8):  # op by op, then fused regions; the kernel's C++ node from its second call
+    dg, du, dw = (t.to("neuron").requires_grad_() for t in (g, u, w))
+    cg, cu, cw = (t.clone().requires_grad_() for t in (g, u, w))
+    (dl, y), (cl, _) = forward(dg, du, dw), forward(cg, cu, cw)
+    nodes.append(y.grad_fn.name())
+    dgr, cgr = torch.autograd.grad(dl, [dg, du, dw]), torch.autograd.grad(cl, [cg, cu, cw])
+    with torch.no_grad():
+        dn, cn = forward(dg, du, dw)[0], forward(cg, cu, cw)[0]
+    oks.append(torch.allclose(dl.cpu(), cl, rtol=1e-5, atol=1e-5) and torch.allclose(dn.cpu(), cn, rtol=1e-5) and
+               all(torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-5) for a, b in zip(dgr, cgr)))
+before = dict(neuron_runtime.stats()["fusion"]["flushes"])
+for _ in range(4):  # forward only: the region before the kernel is still queued when it is called
+    dg, du, dw = (t.to("neuron").requires_grad_() for t in (g, u, w))
+    oks.append(torch.allclose(forward(dg, du, dw)[0].cpu(), forward(g, u, w)[0], rtol=1e-5))
+f = neuron_runtime.stats()["fusion"]
+at_kernel = sum(v - before.get(k, 0) for k, v in f["flushes"].items() if k.startswith("kernel:"))
+print(json.dumps({"oks": oks, "nodes": nodes, "fused": f["fused_executions"], "at_kernel": at_kernel}))
+"""
+
+
+def test_kernels_end_fusion_regions_and_compute_what_cpu_does(tmp_path: Any) -> None:
+    """With adaptive fusion on (TORCH_NEURONX_ENABLE_CONCATENATION=1), a kernel call ends the region
+    before it (its executable reads the queued results), runs its own launch, and the ops after it
+    queue again: results and gradients equal CPU's at every step, op by op and fused, through Python's
+    autograd.Function and the C++ node."""
+    r = run_python(_IN_REGIONS, env={"TORCH_NEURONX_ENABLE_CONCATENATION": "1", "TORCH_NEURONX_FUSION_MIN_SEEN": "2",
+                                     "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(out["oks"]), out
+    assert out["nodes"][-1] == "neuron_kernels::swigluBackward", out["nodes"]
+    assert out["fused"] > 0 and out["at_kernel"] > 0, out
