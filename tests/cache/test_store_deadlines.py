@@ -8,6 +8,7 @@ the public-API figures at TORCH_NEURONX_FLEET_TIMEOUT=3 are `benchmarks/store_fu
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -230,4 +231,66 @@ def test_a_store_error_with_percent_signs_is_a_miss_not_a_crash() -> None:
             assert store.get(k) is None
         assert store.faults.counts == {"server": 1}
         assert any("100% full" in str(w.message) for w in caught)
+        store.close()
+
+
+@pytest.fixture(params=["unary", "stream"])
+def slow_grpc(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A real gRPC server on 127.0.0.1 speaking the cache service's `Get` and `GetStream` (raw bytes, as
+    cache_server does): `unary` answers `Get` after 5 s; `stream` sends the entry through `GetStream` one
+    byte every 0.2 s (each message in time for any per-message wait: only the call's deadline ends it)."""
+    from concurrent import futures
+
+    import grpc
+
+    from cache_server._keys import SERVICE, SIZE_MD
+
+    stop = threading.Event()
+
+    def get(raw: bytes, ctx: Any) -> bytes:
+        if request.param == "unary":
+            stop.wait(5.0)
+            return b"x" * 16
+        ctx.set_trailing_metadata(((SIZE_MD, "4096"),))
+        ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, "fetch it with GetStream")
+
+    def get_stream(raw: bytes, ctx: Any) -> Iterator[bytes]:
+        ctx.send_initial_metadata(((SIZE_MD, "4096"),))
+        for _ in range(4096):
+            if stop.wait(0.2):
+                return
+            yield b"x"
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+        "Get": grpc.unary_unary_rpc_method_handler(get),
+        "GetStream": grpc.unary_stream_rpc_method_handler(get_stream)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"grpc://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        server.stop(0)
+
+
+def test_a_slow_grpc_store_costs_a_read_its_deadline_then_is_skipped(slow_grpc: str) -> None:
+    """gRPC carries the deadline on the call itself (a slow answer, a dripping stream): one read costs
+    the deadline, then the breaker answers at once."""
+    from neuron_runtime.cache._grpc import GrpcBackend
+
+    store = GrpcBackend(slow_grpc, timeout_s=DEADLINE)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t0 = time.monotonic()
+            assert store.get(key_of("slow")) is None
+            took = time.monotonic() - t0
+            assert took < DEADLINE + SLACK, took
+            t0 = time.monotonic()
+            assert store.get(key_of("another")) is None  # skipped while the breaker is open
+            assert time.monotonic() - t0 < 0.05
+        assert store.faults.counts.get("unavailable") == 1, store.faults.counts
+        assert any("(unavailable): DEADLINE_EXCEEDED" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    finally:
         store.close()
