@@ -294,3 +294,24 @@ def test_a_slow_grpc_store_costs_a_read_its_deadline_then_is_skipped(slow_grpc: 
         assert any("(unavailable): DEADLINE_EXCEEDED" in str(w.message) for w in caught), [str(w.message) for w in caught]
     finally:
         store.close()
+
+
+def test_a_dripping_s3_endpoint_costs_a_read_its_deadline_then_is_skipped() -> None:
+    """An S3 endpoint (a real socket server answering GetObject one byte every 0.2 s): the read stops at
+    its deadline, then the breaker answers at once."""
+    from neuron_runtime.cache import S3Store
+
+    with ScriptedServer("http", Answer(body=b"x" * 4096, chunk=1, drip_s=0.2)) as server:
+        store = S3Store("s3://bucket/prefix", timeout_s=DEADLINE, endpoint_url=f"http://127.0.0.1:{server.port}",
+                        key="test", secret="test")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t0 = time.monotonic()
+            assert store.get(key_of("drip")) is None
+            took = time.monotonic() - t0
+            assert took < DEADLINE + SLACK, took
+            t0 = time.monotonic()
+            assert store.get(key_of("another")) is None  # skipped while the breaker is open
+            assert time.monotonic() - t0 < 0.05
+        assert store.faults.counts.get("timeout") == 1, store.faults.counts
+        assert any("(timeout)" in str(w.message) for w in caught), [str(w.message) for w in caught]
