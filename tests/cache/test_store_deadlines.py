@@ -274,44 +274,37 @@ def slow_grpc(request: pytest.FixtureRequest) -> Iterator[str]:
         server.stop(0)
 
 
+def _one_deadline_then_skipped(store: FleetStore, fault: str) -> None:
+    """A read of `store` (slow) costs its deadline, counted as `fault` with a warning; the next is
+    answered at once while the breaker is open."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.monotonic()
+        assert store.get(key_of("slow")) is None
+        took = time.monotonic() - t0
+        assert took < DEADLINE + SLACK, took
+        t0 = time.monotonic()
+        assert store.get(key_of("another")) is None  # skipped while the breaker is open
+        assert time.monotonic() - t0 < 0.05
+    assert store.faults.counts.get(fault) == 1, store.faults.counts
+    assert any(f"({fault})" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 def test_a_slow_grpc_store_costs_a_read_its_deadline_then_is_skipped(slow_grpc: str) -> None:
-    """gRPC carries the deadline on the call itself (a slow answer, a dripping stream): one read costs
-    the deadline, then the breaker answers at once."""
+    """gRPC carries the deadline on the call itself (a slow answer, a dripping stream)."""
     from neuron_runtime.cache._grpc import GrpcBackend
 
     store = GrpcBackend(slow_grpc, timeout_s=DEADLINE)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            t0 = time.monotonic()
-            assert store.get(key_of("slow")) is None
-            took = time.monotonic() - t0
-            assert took < DEADLINE + SLACK, took
-            t0 = time.monotonic()
-            assert store.get(key_of("another")) is None  # skipped while the breaker is open
-            assert time.monotonic() - t0 < 0.05
-        assert store.faults.counts.get("unavailable") == 1, store.faults.counts
-        assert any("(unavailable): DEADLINE_EXCEEDED" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        _one_deadline_then_skipped(store, "unavailable")  # (DEADLINE_EXCEEDED counts as unavailable)
     finally:
         store.close()
 
 
 def test_a_dripping_s3_endpoint_costs_a_read_its_deadline_then_is_skipped() -> None:
-    """An S3 endpoint (a real socket server answering GetObject one byte every 0.2 s): the read stops at
-    its deadline, then the breaker answers at once."""
+    """An S3 endpoint that answers GetObject one byte every 0.2 s (a real socket server)."""
     from neuron_runtime.cache import S3Store
 
     with ScriptedServer("http", Answer(body=b"x" * 4096, chunk=1, drip_s=0.2)) as server:
-        store = S3Store("s3://bucket/prefix", timeout_s=DEADLINE, endpoint_url=f"http://127.0.0.1:{server.port}",
-                        key="test", secret="test")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            t0 = time.monotonic()
-            assert store.get(key_of("drip")) is None
-            took = time.monotonic() - t0
-            assert took < DEADLINE + SLACK, took
-            t0 = time.monotonic()
-            assert store.get(key_of("another")) is None  # skipped while the breaker is open
-            assert time.monotonic() - t0 < 0.05
-        assert store.faults.counts.get("timeout") == 1, store.faults.counts
-        assert any("(timeout)" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        _one_deadline_then_skipped(S3Store("s3://bucket/prefix", timeout_s=DEADLINE, key="test", secret="test",
+                                           endpoint_url=f"http://127.0.0.1:{server.port}"), "timeout")
