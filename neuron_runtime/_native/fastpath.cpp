@@ -131,15 +131,29 @@ struct CpuView final : c10::BackendMeta {
 // cost ~150 instructions a pair more (callgrind, benchmarks/dispatch.py's add).
 neuron_memory::SpinLock g_view_mu;
 
+// Whether CPU tensor `v` reads neuron storage `s` as `t` does.
+inline bool reads_as(const at::Tensor& v, const c10::StorageImpl* s, const at::Tensor& t) {
+  return v.storage().data() == s->data() && v.storage().nbytes() == s->nbytes() && v.dtype() == t.dtype() &&
+         v.storage_offset() == t.storage_offset() && v.sizes() == t.sizes() && v.strides() == t.strides() &&
+         v.is_conj() == t.is_conj() && v.is_neg() == t.is_neg();
+}
+
 inline bool fits(const CpuView& c, const at::Tensor& t) {
   const c10::StorageImpl* s = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
-  const at::Tensor& v = c.view;
-  return c.of == s && c.ctx == s->data_ptr().get_context() && v.storage().data() == s->data() &&
-         v.storage().nbytes() == s->nbytes() && v.dtype() == t.dtype() && v.storage_offset() == t.storage_offset() &&
-         v.sizes() == t.sizes() && v.strides() == t.strides() && v.is_conj() == t.is_conj() && v.is_neg() == t.is_neg();
+  return c.of == s && c.ctx == s->data_ptr().get_context() && reads_as(c.view, s, t);
+}
+
+// A kernel's fresh output (to_neuron_fresh) still read as it was made: the CPU tensor its storage holds is
+// its view already (no lock, no new view: most intermediates are read once or twice); else null.
+inline const at::Tensor* fresh_view(const at::Tensor& t) {
+  const c10::StorageImpl* s = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  if (s == nullptr || s->data_ptr().get_deleter() != &neuron_memory::drop_holder) return nullptr;
+  const auto* h = static_cast<const neuron_memory::Holder*>(s->data_ptr().get_context());
+  return h->own >= 0 && reads_as(h->keep, s, t) ? &h->keep : nullptr;
 }
 
 at::Tensor cpu_view(const at::Tensor& t) {
+  if (const at::Tensor* v = fresh_view(t)) return *v;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   std::lock_guard<neuron_memory::SpinLock> lock(g_view_mu);
   if (auto* c = dynamic_cast<CpuView*>(impl->get_backend_meta()); c != nullptr && fits(*c, t)) return c->view;
@@ -2208,10 +2222,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("to_neuron", &to_neuron, "A neuron tensor over a CPU tensor's memory");
   m.def("to_cpu", &to_cpu, "A CPU tensor over a neuron tensor's memory");
   m.def("has_cpu_view", [](const at::Tensor& t) {
+    if (fresh_view(t) != nullptr) return true;
     std::lock_guard<neuron_memory::SpinLock> lock(g_view_mu);
     auto* c = dynamic_cast<CpuView*>(t.unsafeGetTensorImpl()->get_backend_meta());
     return c != nullptr && fits(*c, t);
-  }, "whether the native path keeps a CPU view of the tensor that still fits it (cpu_view)");
+  }, "whether the native path has a CPU view of the tensor that still fits it (cpu_view)");
   m.def("register_view", &register_view);
   m.def("register_device_guard", &register_device_guard, "False if PrivateUse1 already has a guard");
   m.def("register_allocator", &neuron_memory::register_allocator, "PrivateUse1's allocator (memory.h)");

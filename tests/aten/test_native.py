@@ -326,13 +326,16 @@ def test_a_tensor_keeps_its_cpu_view_only_while_the_view_fits(fresh_runtime: _ru
     assert has(na)
 
     c = torch.randn(6, 4)
-    a.set_(c), na.set_(c.to(DEV))  # same sizes and strides, other memory
+    a.set_(c), na.set_(c.to(DEV).t().contiguous().t())  # same sizes and strides, other memory
     assert not has(na)
     _hits(lambda: na * 2, lambda: a * 2)
 
-    na.data = b.to(DEV)  # new data: the slot is cleared with the old memory
-    assert not has(na)
+    na.data = b.to(DEV)  # new data: the slot is cleared with the old memory ...
+    assert has(na)  # ... and a fresh output's own CPU tensor is its view (`fresh_view`)
     _hits(lambda: na - 1, lambda: b - 1)
+    na.data = b.to(DEV)[1:]  # a view of a fresh output: it needs a view of its own
+    assert not has(na)
+    _hits(lambda: na - 1, lambda: b[1:] - 1)
 
     n = torch.arange(4.0, device=DEV)
     _hits(lambda: n + 1, lambda: torch.arange(4.0) + 1)
