@@ -36,6 +36,7 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/tensor_memoryformats.h>
 
@@ -136,15 +137,29 @@ struct CpuView final : c10::BackendMeta {
 // cost ~150 instructions a pair more (callgrind, benchmarks/dispatch.py's add).
 neuron_memory::SpinLock g_view_mu;
 
+// Whether CPU tensor `v` reads neuron storage `s` as `t` does.
+inline bool reads_as(const at::Tensor& v, const c10::StorageImpl* s, const at::Tensor& t) {
+  return v.storage().data() == s->data() && v.storage().nbytes() == s->nbytes() && v.dtype() == t.dtype() &&
+         v.storage_offset() == t.storage_offset() && v.sizes() == t.sizes() && v.strides() == t.strides() &&
+         v.is_conj() == t.is_conj() && v.is_neg() == t.is_neg();
+}
+
 inline bool fits(const CpuView& c, const at::Tensor& t) {
   const c10::StorageImpl* s = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
-  const at::Tensor& v = c.view;
-  return c.of == s && c.ctx == s->data_ptr().get_context() && v.storage().data() == s->data() &&
-         v.storage().nbytes() == s->nbytes() && v.dtype() == t.dtype() && v.storage_offset() == t.storage_offset() &&
-         v.sizes() == t.sizes() && v.strides() == t.strides() && v.is_conj() == t.is_conj() && v.is_neg() == t.is_neg();
+  return c.of == s && c.ctx == s->data_ptr().get_context() && reads_as(c.view, s, t);
+}
+
+// A kernel's fresh output (to_neuron_fresh) still read as it was made: the CPU tensor its storage holds is
+// its view already (no lock, no new view: most intermediates are read once or twice); else null.
+inline const at::Tensor* fresh_view(const at::Tensor& t) {
+  const c10::StorageImpl* s = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  if (s == nullptr || s->data_ptr().get_deleter() != &neuron_memory::drop_holder) return nullptr;
+  const auto* h = static_cast<const neuron_memory::Holder*>(s->data_ptr().get_context());
+  return h->own >= 0 && reads_as(h->keep, s, t) ? &h->keep : nullptr;
 }
 
 at::Tensor cpu_view(const at::Tensor& t) {
+  if (const at::Tensor* v = fresh_view(t)) return *v;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   std::lock_guard<neuron_memory::SpinLock> lock(g_view_mu);
   if (auto* c = dynamic_cast<CpuView*>(impl->get_backend_meta()); c != nullptr && fits(*c, t)) return c->view;
@@ -458,8 +473,10 @@ inline bool scalar_word(const c10::IValue& v, Key& key) {  // a run-time Scalar:
   return true;
 }
 
+// Not noexcept: libstdc++ then keeps each node's hash, so a lookup compares hashes along its bucket and
+// never rehashes a stored key to find where the bucket ends (perf: ~8 us a decode token, 108 lookups).
 struct KeyHash {
-  size_t operator()(const Key& k) const noexcept {
+  size_t operator()(const Key& k) const {
     uint64_t h = 1469598103934665603ull;
     for (int64_t w : k) {
       h ^= static_cast<uint64_t>(w) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
@@ -493,6 +510,21 @@ at::Tensor scalar_0d(const c10::Scalar& v, c10::ScalarType dtype) {
   return write_0d(t, v) ? t : at::scalar_tensor(v, at::TensorOptions().dtype(dtype));
 }
 
+// A 0-d CPU tensor of `dtype` holding `v`, for the k-th run-time Scalar of a call: one kept per thread and
+// slot, refilled while nothing else holds it or its memory (the container lets go of its inputs when a call
+// returns), so `add`'s alpha costs no allocation a launch (three: the tensor, its storage, its byte).
+at::Tensor pooled_0d(size_t k, const c10::Scalar& v, c10::ScalarType dtype) {
+  thread_local c10::SmallVector<at::Tensor, 4> pool;
+  if (k < pool.size() && pool[k].defined() && pool[k].scalar_type() == dtype && pool[k].use_count() == 1 &&
+      pool[k].storage().use_count() == 1 && write_0d(pool[k], v)) {
+    return pool[k];
+  }
+  at::Tensor t = scalar_0d(v, dtype);
+  if (k >= pool.size()) pool.resize(k + 1);
+  pool[k] = t;
+  return t;
+}
+
 // The value of a wrapped number (a Python number the dispatcher made a 0-d double, long or bool tensor).
 c10::Scalar wrapped_value(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -516,8 +548,59 @@ c10::Scalar wrapped_value(const at::Tensor& t) {
 // `written`: an in-place kernel's inputs it stores into (compiler/_inplace.py, `InPlace`); it was compiled
 // for inputs that do not overlap, so a call where one of them shares a byte with another input does not
 // run here (`overlaps`): the Python executable runs the in-place aten op on the host for it.
+// `src`'s elements in row-major order into `dst` (bits copied as T: any dtype of T's size).
+template <class T>
+void copy_rows(const at::Tensor& src, T* dst) {
+  const T* base = static_cast<const T*>(src.const_data_ptr());
+  const auto sizes = src.sizes();
+  const auto strides = src.strides();
+  const int64_t nd = src.dim(), inner = sizes[nd - 1], step = strides[nd - 1], n = src.numel();
+  c10::SmallVector<int64_t, 6> idx(nd, 0);
+  int64_t off = 0;
+  for (int64_t done = 0; done < n; done += inner) {
+    for (int64_t i = 0; i < inner; ++i) *dst++ = base[off + i * step];
+    for (int64_t d = nd - 2; d >= 0; --d) {  // the next row
+      if (++idx[d] < sizes[d]) {
+        off += strides[d];
+        break;
+      }
+      off -= (sizes[d] - 1) * strides[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+// A packed class's input that is not dense (a small slice: at most PACK_MAX_NUMEL elements) as a
+// contiguous copy, element by element: `contiguous()` is clone, empty_like, empty and copy_ through the
+// dispatcher, ~1.5 us for the 32 floats of a rotary half (a decode token copies 7).
+at::Tensor packed_copy(const at::Tensor& t) {
+  if (t.is_conj() || t.is_neg()) return t.contiguous();
+  at::Tensor out = at::detail::empty_cpu(t.sizes(), t.scalar_type());
+  switch (t.element_size()) {
+    case 1: copy_rows(t, static_cast<uint8_t*>(out.mutable_data_ptr())); return out;
+    case 2: copy_rows(t, static_cast<uint16_t*>(out.mutable_data_ptr())); return out;
+    case 4: copy_rows(t, static_cast<uint32_t*>(out.mutable_data_ptr())); return out;
+    case 8: copy_rows(t, static_cast<uint64_t*>(out.mutable_data_ptr())); return out;
+    default: return t.contiguous();
+  }
+}
+
+// AOTInductor's container entry points, read once from its runner (protected members, reached through
+// member pointers): AOTIModelContainerRunner::run wraps every call in three vectors, a hash map of the
+// output handles and a call for the output count (perf: ~0.2 us and six allocations a launch).
+struct RunnerAccess : torch::inductor::AOTIModelContainerRunner {
+  static constexpr auto run_func = &RunnerAccess::run_func_;
+  static constexpr auto num_outputs_func = &RunnerAccess::get_num_outputs_func_;
+  static constexpr auto container = &RunnerAccess::container_handle_;
+  static constexpr auto proxy = &RunnerAccess::proxy_executor_handle_;
+};
+
 struct AotiCall {
   torch::inductor::AOTIModelContainerRunner* runner = nullptr;
+  decltype(&AOTInductorModelContainerRun) run_func = nullptr;
+  AOTInductorModelContainerHandle container = nullptr;
+  AOTIProxyExecutorHandle proxy = nullptr;
+  size_t n_outputs = 0;
   std::vector<c10::ScalarType> scalar_dtypes;
   std::vector<std::pair<size_t, c10::ScalarType>> wrapped;
   bool flat = false;
@@ -540,6 +623,12 @@ struct AotiCall {
       if (t.size() > 3) flat = t[3].cast<bool>();
       if (t.size() > 4) written = t[4].cast<std::vector<size_t>>();
       if (t.size() > 5) packed = t[5].cast<bool>();
+      run_func = runner->*RunnerAccess::run_func;
+      container = runner->*RunnerAccess::container;
+      proxy = runner->*RunnerAccess::proxy;
+      if (run_func == nullptr || (runner->*RunnerAccess::num_outputs_func)(container, &n_outputs) != AOTI_RUNTIME_SUCCESS) {
+        *this = AotiCall();
+      }
     } catch (const std::exception&) {
       *this = AotiCall();
     }
@@ -578,11 +667,43 @@ struct AotiCall {
     return false;
   }
 
+  // The container's run with the handles it takes: it steals (deletes) each input handle, and hands back
+  // a new one per output (one handle may come back twice: each copy but the last is a copy).
+  void call(std::vector<at::Tensor>& in, std::vector<at::Tensor>& outs) const {
+    c10::SmallVector<AtenTensorHandle, 8> ih;
+    for (at::Tensor& t : in) ih.push_back(torch::aot_inductor::tensor_pointer_to_tensor_handle(new at::Tensor(std::move(t))));
+    in.clear();
+    c10::SmallVector<AtenTensorHandle, 4> oh(n_outputs, nullptr);
+    if (run_func(container, ih.data(), ih.size(), oh.data(), oh.size(), nullptr, proxy) != AOTI_RUNTIME_SUCCESS) {
+      throw std::runtime_error("AOTInductorModelContainerRun failed");
+    }
+    outs.clear();
+    outs.reserve(n_outputs);
+    for (size_t i = 0; i < n_outputs; ++i) {
+      if (oh[i] == nullptr) {
+        outs.emplace_back();
+        continue;
+      }
+      at::Tensor* p = torch::aot_inductor::tensor_handle_to_tensor_pointer(oh[i]);
+      if (std::find(oh.begin() + i + 1, oh.end(), oh[i]) != oh.end()) {
+        outs.push_back(*p);
+      } else {
+        outs.push_back(std::move(*p));
+        delete p;
+      }
+    }
+  }
+
   // `in`: the CPU tensors (wrapped numbers as they came); false if the call does not fit the artifact.
   // `held`: 0-d tensors this caller keeps for the Scalars, refilled in place call after call (the
   // caller makes sure no two calls share them at once); without it each call allocates its own.
   bool run(std::vector<at::Tensor> in, const std::vector<c10::IValue>& scalars,
            std::vector<at::Tensor>& outs, std::vector<at::Tensor>* held = nullptr) const {
+    return run_into(in, scalars, outs, held);
+  }
+  // `run` on the caller's buffer `in` (consumed: left empty, its capacity kept for the next call).
+  bool run_into(std::vector<at::Tensor>& in, const std::vector<c10::IValue>& scalars,
+                std::vector<at::Tensor>& outs, std::vector<at::Tensor>* held = nullptr) const {
     if (scalars.size() != scalar_dtypes.size()) return false;
     for (const auto& [i, dtype] : wrapped) {
       if (i >= in.size() || !in[i].unsafeGetTensorImpl()->is_wrapped_number()) return false;
@@ -594,7 +715,7 @@ struct AotiCall {
     if (!written.empty() && overlaps(in)) return false;
     if (packed) {
       for (at::Tensor& t : in) {
-        if (t.dim() > 0 && !t.is_non_overlapping_and_dense()) t = t.contiguous();
+        if (t.dim() > 0 && !t.is_non_overlapping_and_dense()) t = packed_copy(t);
       }
     }
     at::Tensor first;  // flat: the input the outputs take their sizes and strides from
@@ -603,7 +724,9 @@ struct AotiCall {
         if (t.dim() == 0) continue;  // a number in a tensor slot
         if (t.dim() == 1 && t.stride(0) == 1) break;  // 1-D already, and so is every input
         if (!first.defined()) first = t;
-        t = t.as_strided({first.numel()}, {1});
+        // (CPU's own as_strided kernel, called directly: through the dispatcher, the autograd and
+        // view-tracking layers cost ~0.3 us and an allocation a tensor, ~37 a decode token)
+        t = at::native::as_strided_tensorimpl(t, {first.numel()}, {1}, std::nullopt);
       }
     }
     if (held != nullptr && held->size() != scalars.size()) {
@@ -613,12 +736,13 @@ struct AotiCall {
     for (size_t k = 0; k < scalars.size(); ++k) {
       c10::Scalar v = scalars[k].toScalar();
       if (held != nullptr && write_0d((*held)[k], v)) in.push_back((*held)[k]);
+      else if (held == nullptr) in.push_back(pooled_0d(k, v, scalar_dtypes[k]));
       else in.push_back(scalar_0d(v, scalar_dtypes[k]));
     }
-    outs = runner->run(in);
+    call(in, outs);
     if (first.defined()) {
       for (at::Tensor& o : outs) {
-        if (o.defined()) o = o.as_strided(first.sizes(), first.strides());
+        if (o.defined()) o = at::native::as_strided_tensorimpl(o, first.sizes(), first.strides(), std::nullopt);
       }
     }
     return true;
@@ -1526,12 +1650,22 @@ struct Typed<Op, at::Tensor(Args...)> final : c10::OperatorKernel {
         if (!(*e.aten == op)) return false;  // the executable runs another op: OpState's path does that
         out = op.typed<at::Tensor(Args...)>().redispatch(kCpuKeys, host(args)...);
       } else if (e.aoti.runner != nullptr) {
-        std::vector<at::Tensor> in, outs;
+        // Buffers kept per thread (a nested call on this thread, e.g. a kernel the executable calls,
+        // finds them empty or in use, and allocates its own).
+        thread_local std::vector<at::Tensor> in_buf, outs_buf;
+        std::vector<at::Tensor> own_in, own_outs;
+        const bool mine = in_buf.empty() && outs_buf.empty();
+        std::vector<at::Tensor>& in = mine ? in_buf : own_in;
+        std::vector<at::Tensor>& outs = mine ? outs_buf : own_outs;
+        struct Emptied {  // on every way out, exceptions included
+          std::vector<at::Tensor> &a, &b;
+          ~Emptied() { a.clear(), b.clear(); }
+        } emptied{in, outs};
         std::vector<c10::IValue> scalars;
         in.reserve(sizeof...(Args));
         size_t i = 0;
         (gather(i++, args, in, scalars), ...);
-        if (!e.aoti.run(std::move(in), scalars, outs) || outs.empty()) return false;
+        if (!e.aoti.run_into(in, scalars, outs) || outs.empty()) return false;
         out = std::move(outs[0]);
       } else {
         return false;
@@ -2154,8 +2288,9 @@ py::dict fusion_counters() {
 // Allocation, copies and reads, which PyTorch reaches through `empty`, `empty_strided`, `_copy_from`
 // (`clone`, `contiguous`, `reshape` of a non-contiguous tensor, `.to`) and `_local_scalar_dense`
 // (`.item()`, `bool()`): the common cases here, the rest (other layouts, pinned memory, other device
-// indices, conjugate/negative bits) by the Python kernels.
-enum Special : int { EMPTY = 0, EMPTY_STRIDED = 1, COPY_FROM = 2, LOCAL_SCALAR = 3, TO_COPY = 4 };
+// indices, conjugate/negative bits) by the Python kernels. HOST_FACTORY: `arange`, `full`, `scalar_tensor`
+// (aten/_decomp.py `_host_factory`): CPU's factory, relabelled.
+enum Special : int { EMPTY = 0, EMPTY_STRIDED = 1, COPY_FROM = 2, LOCAL_SCALAR = 3, TO_COPY = 4, HOST_FACTORY = 5 };
 
 struct SpecialKernel final : c10::OperatorKernel {
   Special which;
@@ -2189,9 +2324,10 @@ struct SpecialKernel final : c10::OperatorKernel {
     return true;
   }
 
-  bool fast(Stack* stack, size_t base, size_t n) {
+  bool fast(const c10::OperatorHandle& op, Stack* stack, size_t base, size_t n) {
     Stack& s = *stack;
     at::TensorOptions opts;
+    if (which == HOST_FACTORY) return host_factory(op, s, base, n);
     if (which == EMPTY) {  // (size, dtype?, layout?, device?, pin_memory?, memory_format?)
       if (!s[base].isIntList() || !options(s, base + 1, opts)) return false;
       auto mf = s[base + 5].isNone() ? c10::MemoryFormat::Contiguous : s[base + 5].toMemoryFormat();
@@ -2259,12 +2395,29 @@ struct SpecialKernel final : c10::OperatorKernel {
     return true;
   }
 
+  // (..., dtype?, layout?, device?, pin_memory?) -> Tensor: the op's own composite with no device (so it
+  // allocates and fills on the host), its result relabelled; ~1.5 us where the Python kernel took ~8.
+  bool host_factory(const c10::OperatorHandle& op, Stack& s, size_t base, size_t n) {
+    const size_t o = base + n - 4;
+    const c10::IValue &layout = s[o + 1], &pin = s[o + 3];
+    if ((!layout.isNone() && layout.toLayout() != c10::kStrided) || !on_neuron(s[o + 2]) ||
+        (!pin.isNone() && pin.toBool())) {
+      return false;
+    }
+    s[o + 2] = c10::IValue();
+    op.redispatchBoxed(kCpuKeys, &s);
+    s.back() = to_neuron_fresh(std::move(s.back()).toTensor());
+    return true;
+  }
+
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
     // An allocation reads nothing: only a copy or a read runs fusion's queue first.
-    if (which >= COPY_FROM && g_pending.load(std::memory_order_relaxed)) flush_queued(op);
+    if ((which == COPY_FROM || which == LOCAL_SCALAR || which == TO_COPY) && g_pending.load(std::memory_order_relaxed)) {
+      flush_queued(op);
+    }
     const size_t n = python->kinds.size();
     const size_t base = stack->size() - n;
-    if (!fast(stack, base, n)) python->call_python(op, stack, base, nullptr);
+    if (!fast(op, stack, base, n)) python->call_python(op, stack, base, nullptr);
   }
 };
 
@@ -2323,10 +2476,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("to_neuron", &to_neuron, "A neuron tensor over a CPU tensor's memory");
   m.def("to_cpu", &to_cpu, "A CPU tensor over a neuron tensor's memory");
   m.def("has_cpu_view", [](const at::Tensor& t) {
+    if (fresh_view(t) != nullptr) return true;
     std::lock_guard<neuron_memory::SpinLock> lock(g_view_mu);
     auto* c = dynamic_cast<CpuView*>(t.unsafeGetTensorImpl()->get_backend_meta());
     return c != nullptr && fits(*c, t);
-  }, "whether the native path keeps a CPU view of the tensor that still fits it (cpu_view)");
+  }, "whether the native path has a CPU view of the tensor that still fits it (cpu_view)");
   m.def("register_view", &register_view);
   m.def("register_device_guard", &register_device_guard, "False if PrivateUse1 already has a guard");
   m.def("register_allocator", &neuron_memory::register_allocator, "PrivateUse1's allocator (memory.h)");

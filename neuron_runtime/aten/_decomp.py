@@ -84,14 +84,21 @@ def _via_functional(qualname: str, functional: str) -> Callable[..., Any]:
 _HOST_FACTORIES = frozenset({"arange", "arange.start_step"})
 
 
-def _host_arange(*args: Any, dtype: Any = None, layout: Any = None, device: Any = None,
-                 pin_memory: Any = None) -> torch.Tensor:
-    """`torch.arange(..., device="neuron")` itself (`arange`, `arange.start`, `arange.start_step`): CPU's
-    range relabelled, one Python call. Without it the composite allocates an empty neuron tensor and calls
-    `arange.out`, whose out= path resizes it and copies the range in (three runtime calls; a decode step
-    makes three aranges: ~20 % of its Python time on `aoti`, issue 43)."""
-    _generic.check_device(device)
-    return wrap(torch.arange(*args, dtype=dtype, layout=layout))
+def _host_factory(name: str) -> Callable[..., Any]:
+    """`torch.arange(..., device="neuron")` (`arange`, `arange.start`, `arange.start_step`), `torch.full` and
+    `torch.scalar_tensor` on neuron: CPU's factory relabelled, one call (fastpath.cpp's HOST_FACTORY does
+    the same natively). Without it `arange` allocates an empty neuron tensor and calls `arange.out`, whose
+    out= path resizes it and copies the range in (three runtime calls; a decode step makes three aranges:
+    ~20 % of its Python time on `aoti`, issue 43); `full` and `scalar_tensor` (`where(c, x, 0.0)`) allocate
+    and launch `fill_`, which reads its value back through `item` (four a decode token)."""
+    factory = getattr(torch, name)
+
+    def kernel(*args: Any, dtype: Any = None, layout: Any = None, device: Any = None,
+               pin_memory: Any = None) -> torch.Tensor:
+        _generic.check_device(device)
+        return wrap(factory(*args, dtype=dtype, layout=layout))
+
+    return kernel
 
 
 def _factory_out(functional: str) -> Callable[..., Any]:
@@ -175,7 +182,9 @@ def narrow_copy(self: torch.Tensor, dim: int, start: int, length: int) -> torch.
 
 KERNELS: dict[str, Callable[..., Any]] = {
     **{f"aten::{op}": _factory_out(f) for op, f in FACTORY_OUT.items()},
-    **{f"aten::{op}": _host_arange for op in ("arange", "arange.start", "arange.start_step")},
+    **{f"aten::{op}": _host_factory("arange") for op in ("arange", "arange.start", "arange.start_step")},
+    "aten::full": _host_factory("full"),
+    "aten::scalar_tensor": _host_factory("scalar_tensor"),
     "aten::_local_scalar_dense": local_scalar_dense,
     "aten::equal": equal,
     "aten::_native_batch_norm_legit": _via_functional("aten::_native_batch_norm_legit",

@@ -245,6 +245,48 @@ def test_to_copies_run_natively_with_to_semantics(fresh_runtime: _runtime.Runtim
 
 
 @native
+def test_host_factories_run_natively_and_equal_cpu(fresh_runtime: _runtime.Runtime) -> None:
+    """`arange`, `full` and `scalar_tensor` on neuron (a decode token makes three aranges, and `full`/`where(c,
+    x, 0.0)` four fills) are CPU's factory relabelled by the native layer: no Python call, no launch, no
+    `fill_` reading its value back through `item`; their dtypes and values are CPU's; what it does not serve
+    (another device index, pinned memory) still gets the Python kernel's answer."""
+    import sys
+
+    cases = [lambda d: torch.arange(7, device=d), lambda d: torch.arange(2, 9, device=d),
+             lambda d: torch.arange(1, 8, 3, dtype=torch.float32, device=d), lambda d: torch.arange(0.5, 3.0, device=d),
+             lambda d: torch.full((2, 3), -1e9, device=d), lambda d: torch.full((4,), 7, device=d),
+             lambda d: torch.full((2,), True, device=d), lambda d: torch.full((3,), 2.5, dtype=torch.float16, device=d),
+             lambda d: torch.scalar_tensor(3, device=d), lambda d: torch.scalar_tensor(1.5, dtype=torch.float64, device=d)]
+    for f in cases:
+        f(DEV)  # first call: loads the kernel
+    calls: list[str] = []
+
+    def watch(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "call" and "neuron_runtime" in frame.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+
+    before = _hostmem.NATIVE.executions()
+    base = torch.neuron.memory_allocated()
+    sys.setprofile(watch)
+    try:
+        got = [f(DEV) for f in cases]
+    finally:
+        sys.setprofile(None)
+    assert calls == [], calls
+    assert _hostmem.NATIVE.executions() == before  # nothing launched
+    assert torch.neuron.memory_allocated() - base == sum(t.nbytes for t in got)
+    for t, f in zip(got, cases):
+        want = f("cpu")
+        assert t.device.type == DEV and t.dtype == want.dtype and torch.equal(t.cpu(), want), (t, want)
+    x = torch.arange(3.0, device=DEV, requires_grad=True)
+    assert x.requires_grad and x.is_leaf
+    c = torch.tensor([True, False, True], device=DEV)
+    assert torch.equal(torch.where(c, torch.ones(3, device=DEV), 0.0).cpu(), torch.tensor([1.0, 0.0, 1.0]))
+    with pytest.raises(RuntimeError, match="neuron:1 does not exist"):
+        torch.full((2,), 1.0, device="neuron:1")
+
+
+@native
 def test_a_cpu_view_keeps_its_memory_when_the_tensor_gets_new_data() -> None:
     """A CPU view of a neuron tensor (what a queued op reads) holds the tensor's storage: `n.data = other`
     gives the tensor new memory, and the old memory lives on, with its values, as long as the view does."""
@@ -284,13 +326,16 @@ def test_a_tensor_keeps_its_cpu_view_only_while_the_view_fits(fresh_runtime: _ru
     assert has(na)
 
     c = torch.randn(6, 4)
-    a.set_(c), na.set_(c.to(DEV))  # same sizes and strides, other memory
+    a.set_(c), na.set_(c.to(DEV).t().contiguous().t())  # same sizes and strides, other memory
     assert not has(na)
     _hits(lambda: na * 2, lambda: a * 2)
 
-    na.data = b.to(DEV)  # new data: the slot is cleared with the old memory
-    assert not has(na)
+    na.data = b.to(DEV)  # new data: the slot is cleared with the old memory ...
+    assert has(na)  # ... and a fresh output's own CPU tensor is its view (`fresh_view`)
     _hits(lambda: na - 1, lambda: b - 1)
+    na.data = b.to(DEV)[1:]  # a view of a fresh output: it needs a view of its own
+    assert not has(na)
+    _hits(lambda: na - 1, lambda: b[1:] - 1)
 
     n = torch.arange(4.0, device=DEV)
     _hits(lambda: n + 1, lambda: torch.arange(4.0) + 1)

@@ -477,6 +477,58 @@ def test_a_prefill_against_static_caches_of_any_length_runs_one_packed_kernel(ao
         assert out["native"] >= 2, out
 
 
+def test_packed_slices_are_copied_natively_equal_to_cpu_for_every_element_size(aoti_root: Path) -> None:
+    """The native runner copies a packed class's slices itself (`packed_copy`, element by element by size:
+    `contiguous()` through the dispatcher cost a decode token ~10 us): rotary's halves and 3-D slices with
+    a step, of 1-, 2-, 4- and 8-byte dtypes, equal CPU's on native hits."""
+    shutil.rmtree(aoti_root / "neff-packed-copy", ignore_errors=True)
+    script = textwrap.dedent("""
+        import json, torch, neuron_runtime
+        from neuron_runtime._native import _hostmem
+        torch.manual_seed(0)
+        halves = lambda t: torch.cat((t[..., 8:], t[..., :8]), dim=-1)
+        steps = lambda t: torch.cat((t[:, 1:4, 0:6:2], t[:, 0:2, 1::2]), dim=1)
+        ok, e0 = [], _hostmem.NATIVE.executions() if _hostmem.NATIVE is not None else None
+        for dtype in (torch.bool, torch.float16, torch.float32, torch.int64):
+            for f, shape in ((halves, (1, 4, 1, 16)), (steps, (3, 5, 7))):
+                x = (torch.randn(shape) * 10).to(dtype)
+                n = x.to("neuron")
+                ok += [torch.equal(f(n).cpu(), f(x)) for _ in range(3)]
+        print(json.dumps({"ok": ok, "native": None if e0 is None else _hostmem.NATIVE.executions() - e0}))
+    """)
+    out, _ = _aoti_child(["-c", script], aoti_root / "neff-packed-copy")
+    assert all(out["ok"]) and len(out["ok"]) == 24, out
+    if out["native"] is not None:
+        assert out["native"] >= 8, out  # the second and third call of each case ran natively
+
+
+def test_flat_kernels_run_natively_on_views_of_every_rank_and_dense_layout(aoti_root: Path) -> None:
+    """A flat class's kernel is called natively on 1-D views of its inputs and its outputs viewed back
+    (CPU's `as_strided` kernel called directly, `AotiCall::flat`): results, sizes and strides equal CPU's
+    for ranks 2-4, contiguous and permuted."""
+    shutil.rmtree(aoti_root / "neff-flat-views", ignore_errors=True)
+    script = textwrap.dedent("""
+        import json, torch, neuron_runtime
+        from neuron_runtime._native import _hostmem
+        torch.manual_seed(0)
+        ok, e0 = [], _hostmem.NATIVE.executions() if _hostmem.NATIVE is not None else None
+        for shape, perm in (((2, 3, 4), None), ((2, 3, 4), (2, 0, 1)), ((1, 4, 1, 16), None), ((5, 7), (1, 0))):
+            x, y = torch.randn(shape), torch.randn(shape)
+            if perm:
+                x, y = x.permute(perm), y.permute(perm)
+            nx, ny = x.to("neuron"), y.to("neuron")
+            for _ in range(3):
+                for f in (lambda a, b: a * b + 1, lambda a, b: torch.sigmoid(a) - b):
+                    got, want = f(nx, ny), f(x, y)
+                    ok.append(torch.allclose(got.cpu(), want) and got.stride() == want.stride())
+        print(json.dumps({"ok": ok, "native": None if e0 is None else _hostmem.NATIVE.executions() - e0}))
+    """)
+    out, _ = _aoti_child(["-c", script], aoti_root / "neff-flat-views")
+    assert all(out["ok"]) and len(out["ok"]) == 24, out
+    if out["native"] is not None:
+        assert out["native"] >= 16, out
+
+
 def test_a_caller_that_makes_warnings_errors_still_compiles(aoti_root: Path) -> None:
     """Inductor warns (FutureWarning, DeprecationWarning) while it lowers: a program that turns those into
     errors got a refusal instead of an executable, and the cache kept it. The compile records them whatever

@@ -56,7 +56,7 @@ def test_arange_of_a_new_length_compiles_nothing_and_equals_cpu() -> None:
 
 
 def test_arange_on_neuron_is_one_call_not_empty_resize_and_copy() -> None:
-    # `torch.arange(..., device="neuron")` has its own kernel (aten/_decomp.py `_host_arange`): the composite
+    # `torch.arange(..., device="neuron")` has its own kernel (aten/_decomp.py `_host_factory`; natively fastpath.cpp HOST_FACTORY): the composite
     # (an empty neuron tensor, `arange.out`, resize_, then the range copied in) cost a decode step three
     # runtime calls per arange (issue 43). CPU's own arange runs empty and resize_ too, never a copy.
     cases = [((7,), {}), ((2, 9), {}), ((1, 8, 3), {"dtype": torch.float32}), ((0.5, 3.0), {}),
