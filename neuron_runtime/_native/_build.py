@@ -47,10 +47,14 @@ def _build_dir() -> Path:
     return _config.cache_root() / "native"
 
 
+# The compiler's flags (a build with other flags is another build: they are part of its key).
+FLAGS = ("-shared", "-fPIC", "-O2", "-std=c++17", "-fvisibility=hidden")
+
+
 def _target(cxx: str) -> Path:
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), *(p.read_bytes() for p in HEADERS), torch.__version__.encode(), str(torch.version.git_version).encode(),
-                 sys.version.encode(), _compiler_identity(cxx).encode(), torch.__file__.encode()):
+                 sys.version.encode(), _compiler_identity(cxx).encode(), torch.__file__.encode(), " ".join(FLAGS).encode()):
         h.update(part)
         h.update(b"\0")
     return _build_dir() / h.hexdigest()[:20] / (NAME + sysconfig.get_config_var("EXT_SUFFIX"))
@@ -73,7 +77,7 @@ def _command(cxx: str, out: str) -> list[str]:
 
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    return [cxx, "-shared", "-fPIC", "-O2", "-std=c++17", "-fvisibility=hidden",
+    return [cxx, *FLAGS,
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             f"-DTORCH_EXTENSION_NAME={NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
             *[f"-I{p}" for p in includes], *_kineto_flags(includes), str(SOURCE), "-o", out,

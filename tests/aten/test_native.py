@@ -30,6 +30,18 @@ def test_the_suite_runs_on_the_native_layer() -> None:
 
 
 @native
+def test_the_native_build_is_keyed_by_its_compiler_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another set of flags is another build (a flag change alone once reused the old .so)."""
+    from neuron_runtime._native import _build
+
+    cxx = _build._compiler()
+    before = _build._target(cxx)
+    assert before == _build._target(cxx)
+    monkeypatch.setattr(_build, "FLAGS", (*_build.FLAGS, "-mtls-dialect=gnu2"))
+    assert _build._target(cxx) != before
+    assert "-mtls-dialect=gnu2" in _build._command(cxx, "out.so")
+
+
 def test_a_size_one_dims_stride_keys_no_new_native_entry(fresh_runtime: _runtime.Runtime) -> None:
     """Issue 43: a decode loop reads `ids[:, -1:]` of a buffer one column wider each token; the [1, 1]
     slice's size-1 dim has a new stride every time, which no kernel reads: the native entry serves them
