@@ -1908,7 +1908,7 @@ struct GraphRunner {
 // gradient has the dtype, sizes and strides `bwd` was made for (`want`: those of the backward Python ran
 // first), else Python's `fallback(*gradients, *tensors, *saved outputs)`, which finds the launch of the
 // gradients' own key; either returns one gradient per tensor of `edges` (the differentiable ones, by
-// index; all when empty). Created once per forward launch; called with the GIL. The Python objects it
+// index). Created once per forward launch; called with the GIL. The Python objects it
 // holds are released under the GIL (a node may die on any thread).
 // `try_call(*args)` is the kernel object's whole eager call for the arguments of this launch's key
 // (`args_like`: tensors by dtype, sizes and strides; other arguments by type and value), when nothing
@@ -1970,7 +1970,7 @@ struct KernelAutograd : std::enable_shared_from_this<KernelAutograd> {
   py::object call(const py::tuple& args);
 
   py::object try_call(const py::args& args) {
-    if (args.size() != key.size() || runtime != g_runtime.load() || !at::GradMode::is_enabled() ||
+    if (args.size() != key.size() || !at::GradMode::is_enabled() ||
         C10_UNLIKELY(torch::profiler::impl::profilerEnabled() || at::impl::torch_function_mode_enabled() ||
                      c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
                      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))) {
@@ -2014,24 +2014,20 @@ struct KernelBackward final : torch::autograd::Node {
     const KernelAutograd& k = *how;
     std::vector<at::Tensor> ins;
     ins.reserve(grads.size() + saved.size());
-    bool fits = grads.size() == k.want.size();
-    for (size_t i = 0; i < grads.size(); ++i) {
+    bool fits = true;
+    for (size_t i = 0; i < grads.size(); ++i) {  // (one per result: the node's inputs are `want`'s)
       at::Tensor g = grads[i];
-      if (fits) {
-        if (!g.defined()) {  // a result nobody used: its gradient is zeros
-          g = at::zeros(k.want[i].sizes, at::TensorOptions().dtype(k.want[i].dtype).device(kNeuron));
-        }
-        fits = k.want[i].fits(g);
+      if (!g.defined()) {  // a result nobody used: its gradient is zeros
+        g = at::zeros(k.want[i].sizes, at::TensorOptions().dtype(k.want[i].dtype).device(kNeuron));
       }
+      fits = fits && k.want[i].fits(g);
       ins.push_back(std::move(g));
     }
     for (const auto& s : saved) ins.push_back(s.unpack());
     py::gil_scoped_acquire gil;
     auto wrap = [&]() {
       py::list l;
-      for (const at::Tensor& t : ins) {
-        l.append(t.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t)) : py::none());
-      }
+      for (const at::Tensor& t : ins) l.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
       return l;
     };
     py::object out = py::none();
@@ -2072,13 +2068,9 @@ py::object KernelAutograd::call(const py::tuple& args) {
   if (outs.size() < n_out) throw std::runtime_error(name + ": its forward returned too few outputs");
   auto node = c10::make_intrusive<KernelBackward>();
   node->how = shared_from_this();
-  if (edges.empty()) {
-    node->set_next_edges(torch::autograd::collect_next_edges(inputs));
-  } else {
-    std::vector<at::Tensor> differentiable;
-    for (size_t i : edges) differentiable.push_back(inputs.at(i));
-    node->set_next_edges(torch::autograd::collect_next_edges(differentiable));
-  }
+  std::vector<at::Tensor> differentiable;
+  for (size_t i : edges) differentiable.push_back(inputs.at(i));
+  node->set_next_edges(torch::autograd::collect_next_edges(differentiable));
   for (const at::Tensor& t : inputs) node->saved.emplace_back(t, false);
   for (size_t i = n_out; i < outs.size(); ++i) node->saved.emplace_back(THPVariable_Unpack(outs[i].ptr()), false);
   for (size_t i = 0; i < n_out; ++i) {

@@ -186,12 +186,18 @@ class Kernel:
         ctx.save_for_backward(*(inputs[i] for i in tensors))
 
     def _grad(self, ctx: Any, *grads: Any, direct: bool = False) -> tuple[Any, ...]:
-        assert self.backward is not None
-        args = list(ctx.others)
-        for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
-            args[i] = t
+        return self._input_grads(*self._backward_args(ctx, grads), direct=direct)
+
+    def _backward_args(self, ctx: Any, grads: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+        """The call's arguments (its tensors as saved) and its outputs' gradients (zeros for an output
+        nobody used)."""
         grads_in = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                     for g, (shape, dtype, device) in zip(grads, ctx.out_meta)]
+        return _placed(ctx.others, ctx.tensor_at, ctx.saved_tensors), grads_in
+
+    def _input_grads(self, args: list[Any], grads_in: list[torch.Tensor], direct: bool) -> tuple[Any, ...]:
+        """The body's VJP: a gradient per differentiable argument, None for the others."""
+        assert self.backward is not None
         got = list(self.backward._neuron(grads_in, *args) if direct and _plain(grads_in)[0]
                    else self.backward(grads_in, *args))
         result: list[Any] = []
@@ -261,25 +267,16 @@ class _Direct(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         k, fwd = ctx.kernel, ctx.launch
-        got = k._grad(ctx, *grads, direct=True)
-        if fwd.autograd is None and fwd.native is not None and not fwd.lists and fwd.returns != "list":
-            args = list(ctx.others)
-            for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
-                args[i] = t
-            grads_in = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                        for g, (shape, dtype, device) in zip(grads, ctx.out_meta)]
+        args, grads_in = k._backward_args(ctx, grads)
+        got = k._input_grads(args, grads_in, direct=True)
+        if fwd.learns():
             key = _call_key([grads_in, *args])
             backward = k.backward.launches.get(key)
             if backward is not None:
                 others, tensor_at, n = ctx.others, ctx.tensor_at, len(grads)
-
-                def fallback(*t: Any) -> Any:
-                    a = list(others)
-                    for i, x in zip(tensor_at, t[n:]):
-                        a[i] = x
-                    return k.backward._neuron(list(t[:n]), *a)
-                edges = [j for j, i in enumerate(tensor_at) if _differentiable(args[i])]
-                fwd.learn_autograd(k.name, len(grads), backward, list(key[0][1]), fallback, edges, args)
+                fwd.learn_autograd(k.name, n, backward, list(key[0][1]),
+                                   lambda *t: k.backward._neuron(list(t[:n]), *_placed(others, tensor_at, t[n:])),
+                                   [j for j, i in enumerate(tensor_at) if _differentiable(args[i])], args)
         return (None, None, *got)
 
 
@@ -303,9 +300,9 @@ class _Saving(torch.autograd.Function):
         key = _call_key(args)
         launch = backward._find(key, args)
         out = launch(args)
-        if fwd.autograd is None:
-            fwd.learn_autograd(k.name, k.saving[2], launch, list(key[:len(grads)]), backward._neuron, [],
-                               list(ctx.saved_tensors[:ctx.n_args]))
+        if fwd.learns():  # (every argument is a tensor and gets a gradient)
+            fwd.learn_autograd(k.name, k.saving[2], launch, list(key[:len(grads)]), backward._neuron,
+                               list(range(ctx.n_args)), list(ctx.saved_tensors[:ctx.n_args]))
         return (None, None, *out)
 
 
@@ -377,6 +374,14 @@ def _fresh(outs: list[torch.Tensor], ins: Sequence[Any]) -> list[torch.Tensor]:
         seen.add(o.untyped_storage().data_ptr())
         fresh.append(o)
     return fresh
+
+
+def _placed(others: Sequence[Any], tensor_at: Sequence[int], tensors: Sequence[Any]) -> list[Any]:
+    """A call's arguments: `others` (None where a tensor goes) with `tensors` at `tensor_at`."""
+    args = list(others)
+    for i, t in zip(tensor_at, tensors):
+        args[i] = t
+    return args
 
 
 def _tensors(args: Iterable[Any]) -> list[torch.Tensor]:
@@ -481,10 +486,13 @@ class _Launch:
         self.checked = False
         self.native: Any = None  # the graph's native runner, once checked: the hot path calls it directly
         self.autograd: Any = None  # a call autograd records, as one C++ node (`learn_autograd`)
-        plan = self.graph.plan  # (a node may only give history to results that alias no argument)
-        self.fresh_outputs = plan is not None and all(how == "x" for how, _ in plan.outputs)
         self.lists = bool(self.list_at)
         self.returns = _returns_tuple(k)
+        # Whether autograd may record a call as one C++ node: its results alias no argument (the node gives
+        # them history) and it takes and returns tensors, not lists.
+        plan = self.graph.plan
+        self.node_ok = plan is not None and all(how == "x" for how, _ in plan.outputs) and not self.lists \
+            and self.returns != "list"
         self.boundary = f"kernel:{k.name}"  # a fusion region ends at a kernel (TORCH_NEURONX_ENABLE_CONCATENATION)
 
     def __call__(self, args: Sequence[Any]) -> Any:
@@ -505,6 +513,10 @@ class _Launch:
             return out[0]
         return tuple(out) if kind is True else list(out)
 
+    def learns(self) -> bool:
+        """Whether a backward of a call of this launch may still teach it its C++ node (`learn_autograd`)."""
+        return self.autograd is None and self.native is not None and self.node_ok
+
     def learn_autograd(self, name: str, n_out: int, backward: _Launch, want: list[Any], fallback: Callable[..., Any],
                        edges: list[int], args: list[Any]) -> None:
         """After a backward of a call of this launch (Python's autograd.Function): when both this launch and
@@ -513,7 +525,7 @@ class _Launch:
         gradients' (dtype, sizes, strides) `backward` was made for; `fallback(*grads, *tensors, *saved)`:
         Python's backward for other gradients; `edges`: the tensors that get gradients, by index; `name`:
         the kernel the user called, whose name the node takes; `args`: a call of this key)."""
-        if NATIVE is not None and self.native is not None and backward.native is not None and self.fresh_outputs:
+        if NATIVE is not None and self.learns() and backward.native is not None:
             self.autograd = NATIVE.KernelAutograd(name, self.native, n_out, backward.native, want,
                                                   fallback, edges, args)
 

@@ -111,7 +111,10 @@ def _dtype_name(d: torch.dtype) -> str:
 class _SourceLaunch:
     """One call key: its signature's executable, the outputs' shapes, and the check against the body."""
 
-    native = autograd = None  # (no graph: autograd records a call through Python, `_Direct`)
+    autograd = None  # (no graph: autograd records a call through Python's `_Direct`, and never learns)
+
+    def learns(self) -> bool:
+        return False
 
     def __init__(self, k: SourceKernel, args: Sequence[Any], rt: Any) -> None:
         self.k = k

@@ -239,3 +239,19 @@ def test_kernels_end_fusion_regions_and_compute_what_cpu_does(tmp_path: Any) -> 
     assert all(out["oks"]), out
     assert out["nodes"][-1] == "neuron_kernels::swigluBackward", out["nodes"]
     assert out["fused"] > 0 and out["at_kernel"] > 0, out
+
+
+def test_a_native_node_with_an_unused_result_and_a_gradient_of_other_strides(fresh_runtime: _runtime.Runtime) -> None:
+    """rotary's node (two results) when only the first is used, through `.sum()` (an expanded gradient,
+    Python's route): the unused one's gradient is zeros, as in Python's backward."""
+    _, kern, eager, args = _cases()[1]
+    dev = [a.to(DEV).requires_grad_() for a in args]
+    ref = [a.clone().requires_grad_() for a in args]
+    for _ in range(2):  # the node is learned from the first call's backward
+        torch.autograd.grad(kern(*dev), dev, [torch.ones_like(o) for o in kern(*dev)])
+    q_out, _ = kern(*dev)
+    assert q_out.grad_fn.name() == "neuron_kernels::rotaryBackward"
+    got = torch.autograd.grad(q_out.sum(), dev, allow_unused=True)
+    want = torch.autograd.grad(eager(*ref)[0].sum(), ref, allow_unused=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu() if a is not None else torch.zeros_like(b), b if b is not None else a.cpu())
