@@ -695,15 +695,13 @@ struct AotiCall {
   }
 
   // `in`: the CPU tensors (wrapped numbers as they came); false if the call does not fit the artifact.
-  // `held`: 0-d tensors this caller keeps for the Scalars, refilled in place call after call (the
-  // caller makes sure no two calls share them at once); without it each call allocates its own.
-  bool run(std::vector<at::Tensor> in, const std::vector<c10::IValue>& scalars,
-           std::vector<at::Tensor>& outs, std::vector<at::Tensor>* held = nullptr) const {
-    return run_into(in, scalars, outs, held);
+  // The Scalars go in as the thread's pooled 0-d tensors (`pooled_0d`).
+  bool run(std::vector<at::Tensor> in, const std::vector<c10::IValue>& scalars, std::vector<at::Tensor>& outs) const {
+    return run_into(in, scalars, outs);
   }
   // `run` on the caller's buffer `in` (consumed: left empty, its capacity kept for the next call).
   bool run_into(std::vector<at::Tensor>& in, const std::vector<c10::IValue>& scalars,
-                std::vector<at::Tensor>& outs, std::vector<at::Tensor>* held = nullptr) const {
+                std::vector<at::Tensor>& outs) const {
     if (scalars.size() != scalar_dtypes.size()) return false;
     for (const auto& [i, dtype] : wrapped) {
       if (i >= in.size() || !in[i].unsafeGetTensorImpl()->is_wrapped_number()) return false;
@@ -729,16 +727,7 @@ struct AotiCall {
         t = at::native::as_strided_tensorimpl(t, {first.numel()}, {1}, std::nullopt);
       }
     }
-    if (held != nullptr && held->size() != scalars.size()) {
-      held->clear();
-      for (c10::ScalarType dtype : scalar_dtypes) held->push_back(at::detail::empty_cpu({}, dtype));
-    }
-    for (size_t k = 0; k < scalars.size(); ++k) {
-      c10::Scalar v = scalars[k].toScalar();
-      if (held != nullptr && write_0d((*held)[k], v)) in.push_back((*held)[k]);
-      else if (held == nullptr) in.push_back(pooled_0d(k, v, scalar_dtypes[k]));
-      else in.push_back(scalar_0d(v, scalar_dtypes[k]));
-    }
+    for (size_t k = 0; k < scalars.size(); ++k) in.push_back(pooled_0d(k, scalars[k].toScalar(), scalar_dtypes[k]));
     call(in, outs);
     if (first.defined()) {
       for (at::Tensor& o : outs) {
@@ -848,7 +837,6 @@ struct GroupExe {
   // with `each`: when to hand the group to Python again (steady clock, ns; 0: never)
   int64_t recheck_at = 0;
   AotiCall aoti;
-  std::vector<at::Tensor> scalars;  // its Scalars' 0-d tensors (AotiCall::run; used under the GIL)
   PyObject* exe = nullptr;
   std::shared_ptr<const neuron_trace::Label> label;
   ~GroupExe() {
@@ -1740,7 +1728,7 @@ bool run_group(GroupExe& g, const std::vector<QNode>& nodes, const std::vector<a
     if (g.aoti.runner != nullptr) {
       std::vector<c10::IValue> scalars;
       for (const QNode& node : nodes) scalars.insert(scalars.end(), node.scalars.begin(), node.scalars.end());
-      if (!g.aoti.run(ext, scalars, outs, &g.scalars)) return false;
+      if (!g.aoti.run(ext, scalars, outs)) return false;
     } else {
       py::list tensors = host_list(ext), scalars;
       for (const QNode& node : nodes) {

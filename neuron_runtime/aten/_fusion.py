@@ -131,7 +131,7 @@ class Fusion:
         self.grouped: set[tuple[str, Any]] = set()
         self.solo: set[tuple[str, Any]] = set()
         # Per (op, key): the groups of several ops it was in. Once every one of them is decided op by op,
-        # it is no longer queued either (`_each_for_good`): queueing it would only add its cost to a run.
+        # it is no longer queued either (`_unqueue`): queueing it would only add its cost to a run.
         self.groups_of: dict[tuple[str, Any], set[Any]] = {}
         self.stats: dict[str, Any] = {"groups_fused": 0, "ops_fused": 0, "fused_executions": 0,
                                       "ops_buffered": 0, "outputs_not_materialised": 0, "ops_not_queued": 0,
