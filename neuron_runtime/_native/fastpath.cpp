@@ -1926,6 +1926,7 @@ struct KernelAutograd : std::enable_shared_from_this<KernelAutograd> {
     py::object value;  // anything else's
   };
   std::vector<Arg> key;
+  size_t n_tensors = 0;  // of `key`
   int64_t runtime = g_runtime.load();
 
   KernelAutograd(std::string nm, py::object f, size_t n, py::object b, const py::list& w, py::object fb,
@@ -1936,6 +1937,7 @@ struct KernelAutograd : std::enable_shared_from_this<KernelAutograd> {
       if (THPVariable_Check(a.ptr())) {
         const at::Tensor& t = THPVariable_Unpack(a.ptr());
         key.push_back({true, {t.scalar_type(), t.sizes().vec(), t.strides().vec()}, py::object()});
+        ++n_tensors;
       } else {
         key.push_back({false, {}, py::reinterpret_borrow<py::object>(a)});
       }
@@ -1964,7 +1966,7 @@ struct KernelAutograd : std::enable_shared_from_this<KernelAutograd> {
                      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))) {
       return py::none();
     }
-    py::tuple tensors(std::count_if(key.begin(), key.end(), [](const Arg& a) { return a.tensor; }));
+    py::tuple tensors(n_tensors);
     bool grad = false;
     size_t j = 0;
     for (size_t i = 0; i < key.size(); ++i) {
