@@ -65,7 +65,14 @@ using Stack = torch::jit::Stack;
 // the neuron tensor's storage, not the tensor, so `x.data = y` on the neuron tensor cannot free memory a
 // view still reads (a queued op's input).
 // ---------------------------------------------------------------------------------------------------
-void drop_source(void* ctx) { delete static_cast<c10::Storage*>(ctx); }
+// The context is the source storage itself, holding one reference taken by `hold_source` (no allocation
+// of its own: ~67 CPU views a decode token are made and dropped).
+void drop_source(void* ctx) { c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(ctx)); }
+inline void* hold_source(const c10::Storage& s) {
+  c10::StorageImpl* impl = s.unsafeGetStorageImpl();
+  c10::raw::intrusive_ptr::incref(impl);
+  return impl;
+}
 
 // mutable_data(): a copy-on-write storage gets its own memory first, as a DLPack export does. `ctx` and
 // `del` make the new storage's DataPtr context: what keeps the source alive, and how it is let go.
@@ -115,7 +122,7 @@ at::Tensor to_neuron_fresh(at::Tensor&& t) {
 }
 
 at::Tensor to_cpu(const at::Tensor& t) {
-  return relabel(t, t.storage(), c10::DispatchKey::CPU, kCpu, new c10::Storage(t.storage()), &drop_source);
+  return relabel(t, t.storage(), c10::DispatchKey::CPU, kCpu, hold_source(t.storage()), &drop_source);
 }
 
 // The CPU view the native path hands a kernel for a neuron tensor, kept in the tensor's BackendMeta slot:
@@ -163,6 +170,9 @@ at::Tensor cpu_view(const at::Tensor& t) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   std::lock_guard<neuron_memory::SpinLock> lock(g_view_mu);
   if (auto* c = dynamic_cast<CpuView*>(impl->get_backend_meta()); c != nullptr && fits(*c, t)) return c->view;
+  // A view (`w.t()`, a slice) is most often made, read once and dropped: keeping its CPU view in the slot
+  // would cost an allocation and a destructor for nothing (~67 views a decode token).
+  if (t.is_view()) return to_cpu(t);
   at::Tensor v = to_cpu(t);
   impl->set_backend_meta(c10::make_intrusive<CpuView>(v, impl->unsafe_storage().unsafeGetStorageImpl()));
   return v;
@@ -525,6 +535,43 @@ at::Tensor pooled_0d(size_t k, const c10::Scalar& v, c10::ScalarType dtype) {
   return t;
 }
 
+// A 1-D view of dense CPU tensor `t` (its numel elements from its offset) for a flat class's kernel, in
+// slot k of the thread's pool: a TensorImpl refilled while nothing else holds it, as `pooled_0d`'s, so a
+// flat launch makes no view (CPU's `as_strided` cost ~750 instructions and an allocation a tensor).
+// `release_flat` lets go of the storage after the call, so a pooled view never keeps memory alive.
+c10::SmallVector<at::Tensor, 4>& flat_pool() {
+  thread_local c10::SmallVector<at::Tensor, 4> pool;
+  return pool;
+}
+
+at::Tensor pooled_flat(size_t k, const at::Tensor& t) {
+  auto& pool = flat_pool();
+  if (k >= pool.size()) pool.resize(k + 1);
+  at::Tensor& v = pool[k];
+  if (v.defined() && v.use_count() == 1) {
+    v.unsafeGetTensorImpl()->set_storage_and_dtype(t.storage(), t.dtype());
+  } else {
+    v = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(t.storage()), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                 t.dtype());
+  }
+  const int64_t n = t.numel(), one = 1;
+  v.unsafeGetTensorImpl()->set_sizes_and_strides({&n, 1}, {&one, 1}, t.storage_offset());
+  return v;
+}
+
+void release_flat(size_t used) {
+  static const c10::Storage empty(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, c10::Device(c10::kCPU)),
+                                  nullptr, false);
+  auto& pool = flat_pool();
+  for (size_t k = 0; k < used && k < pool.size(); ++k) {
+    if (pool[k].defined() && pool[k].use_count() == 1) {
+      pool[k].unsafeGetTensorImpl()->set_storage_and_dtype(empty, pool[k].dtype());
+    } else {
+      pool[k].reset();  // an output of the call (an identity kernel): it is the caller's now
+    }
+  }
+}
+
 // The value of a wrapped number (a Python number the dispatcher made a 0-d double, long or bool tensor).
 c10::Scalar wrapped_value(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -696,11 +743,11 @@ struct AotiCall {
 
   // `in`: the CPU tensors (wrapped numbers as they came); false if the call does not fit the artifact.
   // The Scalars go in as the thread's pooled 0-d tensors (`pooled_0d`).
-  bool run(std::vector<at::Tensor> in, const std::vector<c10::IValue>& scalars, std::vector<at::Tensor>& outs) const {
+  bool run(std::vector<at::Tensor> in, c10::ArrayRef<c10::IValue> scalars, std::vector<at::Tensor>& outs) const {
     return run_into(in, scalars, outs);
   }
   // `run` on the caller's buffer `in` (consumed: left empty, its capacity kept for the next call).
-  bool run_into(std::vector<at::Tensor>& in, const std::vector<c10::IValue>& scalars,
+  bool run_into(std::vector<at::Tensor>& in, c10::ArrayRef<c10::IValue> scalars,
                 std::vector<at::Tensor>& outs) const {
     if (scalars.size() != scalar_dtypes.size()) return false;
     for (const auto& [i, dtype] : wrapped) {
@@ -717,21 +764,33 @@ struct AotiCall {
       }
     }
     at::Tensor first;  // flat: the input the outputs take their sizes and strides from
+    size_t pooled = 0;
     if (flat) {
       for (at::Tensor& t : in) {
         if (t.dim() == 0) continue;  // a number in a tensor slot
         if (t.dim() == 1 && t.stride(0) == 1) break;  // 1-D already, and so is every input
         if (!first.defined()) first = t;
-        // (CPU's own as_strided kernel, called directly: through the dispatcher, the autograd and
-        // view-tracking layers cost ~0.3 us and an allocation a tensor, ~37 a decode token)
-        t = at::native::as_strided_tensorimpl(t, {first.numel()}, {1}, std::nullopt);
+        t = pooled_flat(pooled++, t);
       }
     }
     for (size_t k = 0; k < scalars.size(); ++k) in.push_back(pooled_0d(k, scalars[k].toScalar(), scalar_dtypes[k]));
+    struct Released {  // on every way out, exceptions included
+      size_t n;
+      ~Released() { if (n) release_flat(n); }
+    } released{pooled};
     call(in, outs);
     if (first.defined()) {
       for (at::Tensor& o : outs) {
-        if (o.defined()) o = at::native::as_strided_tensorimpl(o, first.sizes(), first.strides(), std::nullopt);
+        if (!o.defined()) continue;
+        // A fresh output only this call holds takes the input's sizes and strides in place; anything
+        // else (an output that is an input, or one returned twice) gets a view (CPU's own as_strided
+        // kernel, called directly: the dispatcher's layers cost ~0.3 us and an allocation a tensor).
+        if (o.use_count() == 1 && o.dim() == 1 && o.storage_offset() == 0 && o.numel() == first.numel() &&
+            !o.unsafeGetTensorImpl()->is_wrapped_number()) {
+          o.unsafeGetTensorImpl()->set_sizes_and_strides(first.sizes(), first.strides());
+        } else {
+          o = at::native::as_strided_tensorimpl(o, first.sizes(), first.strides(), std::nullopt);
+        }
       }
     }
     return true;
@@ -1618,15 +1677,15 @@ struct Typed<Op, at::Tensor(Args...)> final : c10::OperatorKernel {
   static const T& host(const T& v) { return v; }
 
   // An aoti executable's inputs, in OpState::run's order: the tensors, then the run-time Scalars.
-  void gather(size_t i, const at::Tensor& t, std::vector<at::Tensor>& in, std::vector<c10::IValue>&) const {
+  using Scalars = c10::SmallVector<c10::IValue, 2>;
+  void gather(size_t i, const at::Tensor& t, std::vector<at::Tensor>& in, Scalars&) const {
     if (t.defined()) in.push_back(host(t));
   }
-  void gather(size_t i, const std::optional<at::Tensor>& t, std::vector<at::Tensor>& in,
-              std::vector<c10::IValue>& sc) const {
+  void gather(size_t i, const std::optional<at::Tensor>& t, std::vector<at::Tensor>& in, Scalars& sc) const {
     if (t.has_value()) gather(i, *t, in, sc);
   }
   template <class T>
-  void gather(size_t i, const T& v, std::vector<at::Tensor>&, std::vector<c10::IValue>& sc) const {
+  void gather(size_t i, const T& v, std::vector<at::Tensor>&, Scalars& sc) const {
     if (st->kinds[i] != SCALAR) return;
     c10::IValue iv(v);
     if (!iv.isNone()) sc.push_back(std::move(iv));
@@ -1649,7 +1708,7 @@ struct Typed<Op, at::Tensor(Args...)> final : c10::OperatorKernel {
           std::vector<at::Tensor> &a, &b;
           ~Emptied() { a.clear(), b.clear(); }
         } emptied{in, outs};
-        std::vector<c10::IValue> scalars;
+        c10::SmallVector<c10::IValue, 2> scalars;
         in.reserve(sizeof...(Args));
         size_t i = 0;
         (gather(i++, args, in, scalars), ...);

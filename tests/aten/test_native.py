@@ -331,6 +331,10 @@ def test_a_tensor_keeps_its_cpu_view_only_while_the_view_fits(fresh_runtime: _ru
     _hits(lambda: na + nb, lambda: a + b)
     assert has(na) and has(nb)
     assert has(na.detach())  # a detached copy (what autograd hands AccumulateGrad) shares it
+    v = nb[1:]  # a view is mostly made, read once and dropped: its CPU view is not kept (its base's is)
+    _hits(lambda: v + 1, lambda: b[1:] + 1)
+    _hits(lambda: nb.t() * 2, lambda: b.t() * 2)
+    assert not has(v) and has(nb)
 
     a.t_(), na.t_()  # new strides: the old view would read the wrong elements
     assert not has(na)
