@@ -2331,7 +2331,8 @@ py::dict fusion_counters() {
 // (`.item()`, `bool()`): the common cases here, the rest (other layouts, pinned memory, other device
 // indices, conjugate/negative bits) by the Python kernels. HOST_FACTORY: `arange`, `full`, `scalar_tensor`
 // (aten/_decomp.py `_host_factory`): CPU's factory, relabelled.
-enum Special : int { EMPTY = 0, EMPTY_STRIDED = 1, COPY_FROM = 2, LOCAL_SCALAR = 3, TO_COPY = 4, HOST_FACTORY = 5 };
+enum Special : int { EMPTY = 0, EMPTY_STRIDED = 1, COPY_FROM = 2, LOCAL_SCALAR = 3, TO_COPY = 4, HOST_FACTORY = 5,
+                    CLONE = 6 };
 
 struct SpecialKernel final : c10::OperatorKernel {
   Special which;
@@ -2393,6 +2394,17 @@ struct SpecialKernel final : c10::OperatorKernel {
       return true;
     }
     if (which == TO_COPY) return to_copy(s, base, n);
+    if (which == CLONE) {  // clone(self, *, memory_format?): CPU's clone of the CPU view, relabelled
+      at::Tensor t;
+      if (!s[base].isTensor() || !host(s[base].toTensor(), t, true) || t.device().type() != c10::kCPU ||
+          s[base].toTensor().device().type() != c10::DeviceType::PrivateUse1) {
+        return false;
+      }
+      at::Tensor out = to_neuron_fresh(at::clone(t, s[base + 1].toOptional<c10::MemoryFormat>()));
+      torch::jit::drop(s, n);
+      s.emplace_back(std::move(out));
+      return true;
+    }
     // _copy_from(self, dst, non_blocking) -> dst
     at::Tensor src, dst;
     if (!s[base].isTensor() || !s[base + 1].isTensor() || !host(s[base].toTensor(), src, true) ||
@@ -2453,7 +2465,8 @@ struct SpecialKernel final : c10::OperatorKernel {
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
     // An allocation reads nothing: only a copy or a read runs fusion's queue first.
-    if ((which == COPY_FROM || which == LOCAL_SCALAR || which == TO_COPY) && g_pending.load(std::memory_order_relaxed)) {
+    if ((which == COPY_FROM || which == LOCAL_SCALAR || which == TO_COPY || which == CLONE) &&
+        g_pending.load(std::memory_order_relaxed)) {
       flush_queued(op);
     }
     const size_t n = python->kinds.size();

@@ -85,6 +85,7 @@ SPECIAL = {
     "aten::copy_": "copies between neuron and CPU memory",
     "aten::_copy_from": "copies between neuron and CPU memory",
     "aten::_copy_from_and_resize": "copies between neuron and CPU memory",
+    "aten::clone": "a copy into new host memory (PyTorch's composite: empty_like + copy_), one host clone",
     "aten::resize_": "grows storage with a new host buffer",
     "aten::set_.source_Storage": "rebinds storage (metadata only)",
     "aten::set_.source_Storage_storage_offset": "rebinds storage (metadata only)",

@@ -85,8 +85,10 @@ def triggers() -> dict[str, object]:
         y.t().exp_()  # writing a queued result through a view: the queued ops run first
     reasons["reads_pending"] = last_reason(write_through_view)
     reasons["synchronize"] = last_reason(lambda: (chain(x), torch.neuron.synchronize()))
+    reasons["clone"] = last_reason(lambda: chain(x).clone())  # a host copy of a queued result: they run first
     # correctness after all that
     ok = torch.equal(chain(x).cpu(), chain(x.cpu())) and torch.allclose(views["view"].cpu(), views["view_want"])
+    ok = ok and torch.equal(chain(x).clone().cpu(), chain(x.cpu()))
     return {"reasons": reasons, "ok": ok}
 
 

@@ -51,6 +51,7 @@ def test_every_flush_trigger(tmp_path: Path) -> None:
     assert r["grad_mode"] == "grad_or_autocast"
     assert r["reads_pending"] == "reads_pending_memory"
     assert r["synchronize"] == "synchronize"
+    assert r["clone"] == "op:aten::clone"
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native_queue", "python_queue"])

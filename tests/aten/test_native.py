@@ -459,3 +459,27 @@ def test_out_variants_are_served_natively_and_hand_casts_resizes_and_cpu_outs_to
     assert_same(small, nsmall)
     with pytest.raises(RuntimeError, match="device"):
         torch.mul(ng, 2.0, out=torch.zeros(8, 4))
+
+
+@native
+def test_clone_is_one_native_host_copy(fresh_runtime: _runtime.Runtime) -> None:
+    """`clone` (PyTorch's composite: empty_like + copy_, three dispatches) is one native host clone: values,
+    strides and gradients equal CPU's for every layout and memory format, in new memory; a queued op it
+    reads runs first (fusion)."""
+    x = torch.randn(2, 3, 4, 5)
+    n = x.to(DEV)
+    views = (lambda t: t, lambda t: t.transpose(0, 2), lambda t: t[:, :, ::2], lambda t: t.permute(3, 0, 1, 2))
+    for f in views:
+        for mf in (torch.preserve_format, torch.contiguous_format, torch.channels_last):
+            got, want = f(n).clone(memory_format=mf), f(x).clone(memory_format=mf)
+            assert_same(want, got)
+            assert got.stride() == want.stride() and got.data_ptr() != f(n).data_ptr()
+    with torch.profiler.profile() as prof:
+        n.clone()
+    names = [e.name for e in prof.events()]
+    assert "aten::clone" in names and "aten::_copy_from" not in names, names  # (the composite's neuron copy)
+    w = x.clone().requires_grad_()
+    nw = x.to(DEV).requires_grad_()
+    (w.clone() * 3).sum().backward()
+    (nw.clone() * 3).sum().backward()
+    assert_same(w.grad, nw.grad)
