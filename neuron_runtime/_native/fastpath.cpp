@@ -2475,6 +2475,82 @@ struct SpecialKernel final : c10::OperatorKernel {
   }
 };
 
+// A functional host op that draws random numbers (signatures/_ops.py `RANDOM`: `multinomial`,
+// `native_dropout`, `bernoulli`, `normal`, ...), served without Python: the op's own CPU kernel on the
+// CPU views of its neuron tensors, from the CPU generator (so `torch.manual_seed` reproduces CPU, as the
+// Python kernel's host call does), its results relabelled. Anything else (a CPU tensor argument, a
+// generator of another device, a conjugate view, a tensor list) goes to the Python kernel, which also
+// runs every call while `set_host_native(False)` (the conformance check records host runs in Python).
+std::atomic<int64_t> g_host_runs{0};
+std::atomic<bool> g_host_native{true};
+
+struct HostKernel final : c10::OperatorKernel {
+  std::unique_ptr<OpState> python;  // calls the Python kernel (its key tables stay unused)
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
+    if (g_pending.load(std::memory_order_relaxed)) flush_queued(op);  // it reads its inputs
+    const size_t n = python->kinds.size();
+    const size_t base = stack->size() - n;
+    if (!g_host_native.load(std::memory_order_relaxed) || !run(op, stack, base, n)) {
+      python->call_python(op, stack, base, nullptr);
+    }
+  }
+
+  bool run(const c10::OperatorHandle& op, Stack* stack, size_t base, size_t n) const {
+    Stack& s = *stack;
+    Stack cpu;
+    cpu.reserve(n);
+    bool neuron = false;
+    for (size_t i = 0; i < n; ++i) {  // decided before the op runs: a draw cannot be taken back
+      const c10::IValue& v = s[base + i];
+      if (v.isTensor()) {
+        const at::Tensor& t = v.toTensor();
+        if (!t.defined()) {
+          cpu.push_back(v);
+          continue;
+        }
+        const auto* impl = t.unsafeGetTensorImpl();
+        if (impl->device_type() != c10::DeviceType::PrivateUse1 || impl->is_conj() || impl->is_neg() ||
+            impl->layout() != c10::kStrided) {
+          return false;
+        }
+        cpu.emplace_back(cpu_view(t));
+        neuron = true;
+      } else if (v.isGenerator()) {
+        if (v.toGenerator().device().type() != c10::DeviceType::CPU) return false;
+        cpu.push_back(v);
+      } else if (v.isTensorList() || v.isList() || v.isObject() || v.isCapsule()) {
+        return false;
+      } else {
+        cpu.push_back(v);
+      }
+    }
+    if (!neuron) return false;
+    op.redispatchBoxed(kCpuKeys, &cpu);
+    g_host_runs.fetch_add(1, std::memory_order_relaxed);
+    torch::jit::drop(s, n);
+    for (c10::IValue& r : cpu) {
+      s.emplace_back(r.isTensor() && r.toTensor().defined() ? c10::IValue(to_neuron_fresh(std::move(r).toTensor()))
+                                                              : std::move(r));
+    }
+    return true;
+  }
+};
+
+void register_host(const std::string& qualname, std::vector<bool> kwarg_only, std::vector<std::string> names,
+                   py::object kernel) {
+  auto k = std::make_unique<HostKernel>();
+  k->python = std::make_unique<OpState>();
+  k->python->kinds.assign(kwarg_only.size(), VALUE);
+  k->python->kwarg_only = std::move(kwarg_only);
+  k->python->names = std::move(names);
+  k->python->kernel = kernel.release().ptr();
+  Quiet quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  library().impl(op_name(qualname).c_str(),
+                 torch::CppFunction::makeFromBoxedKernel(c10::BoxedKernel::makeFromFunctor(std::move(k))));
+}
+
 void register_special(const std::string& qualname, int which, std::vector<bool> kwarg_only,
                       std::vector<std::string> names, py::object kernel) {
   auto k = std::make_unique<SpecialKernel>();
@@ -2553,6 +2629,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_hooks", &register_hooks, "False if PrivateUse1 already has hooks");
   m.def("register_compute", &register_compute);
   m.def("register_special", &register_special);
+  m.def("register_host", &register_host, "a random host op served natively (HostKernel)");
+  m.def("set_host_native", [](bool on) { g_host_native.store(on); },
+        "whether HostKernel serves random host ops (False: every call through the Python kernel)");
+  m.def("host_runs", []() { return g_host_runs.load(); }, "host ops HostKernel ran since reset_counters()");
   m.def("clear", &clear);
   m.def("set_fusion", &set_fusion, "fusion's flush(reason), _native_started(), _flush_from_native(nodes, "
         "live) and buffer limit; Nones when fusion is off");
@@ -2592,6 +2672,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   neuron_pg::bind(m);
   m.def("reset_counters", []() {
     g_executions.store(0);
+    g_host_runs.store(0);
     g_typed_executions.store(0);
     g_q_buffered.store(0);
     g_q_fused_runs.store(0);

@@ -10,7 +10,8 @@ import torch
 
 from .. import _profiling
 from .._native import NATIVE
-from ..signatures import OPT_TENSOR, OpInfo, SCALAR, SCALARS, TENSOR, TENSORS, VALUE, classify, cpu_ops, resolve_op
+from ..signatures import (GENERATOR, OPT_TENSOR, RANDOM, SCALAR, SCALARS, TENSOR, TENSORS, VALUE, OpInfo, classify,
+                          cpu_ops, resolve_op)
 from . import _decomp, _fusion, _generic, _quantized, _special
 from ._host import DEVICE
 from ._runtime import runtime
@@ -151,6 +152,9 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
     if info.kind == "view":
         native.register_view(qualname)
         return True
+    if info.kind == "host" and info.reason == RANDOM and _native_host_eligible(info):
+        native.register_host(qualname, [a.kwarg_only for a in info.args], [a.name for a in info.args], kernel)
+        return True
     lookup = getattr(kernel, "__neuron_lookup__", None)
     if lookup is None or not _native_eligible(info):
         return False
@@ -162,6 +166,19 @@ def _install_native(qualname: str, kernel: Callable[..., Any]) -> bool:
                             [i for i, a in enumerate(info.args) if a.mutable and a.kind == TENSORS],
                             full_overlap_ok(info))
     return True
+
+
+def _native_host_eligible(info: OpInfo) -> bool:
+    """A random op the native host kernel serves (`HostKernel`): functional, tensors in (one at least),
+    structural values, Scalars and a generator, tensors out; no device argument (a factory)."""
+    if any(a.mutable for a in info.args) or any(a.name == "device" for a in info.args):
+        return False
+    if not any(a.kind == TENSOR for a in info.args):
+        return False
+    if any(a.kind not in (TENSOR, OPT_TENSOR, SCALAR, VALUE, GENERATOR) for a in info.args):
+        return False
+    returns = [str(r.type) for r in info.op._schema.returns]
+    return bool(returns) and all(r == "Tensor" for r in returns)
 
 
 def _native_eligible(info: OpInfo) -> bool:

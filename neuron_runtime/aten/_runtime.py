@@ -106,6 +106,8 @@ class Runtime:
             hits = dict(self.counts["hits"])
         fast = FAST[0] + (NATIVE.executions() if NATIVE is not None else 0)
         s["executions"] += fast
+        if NATIVE is not None:  # random host ops the native layer ran (`HostKernel`)
+            s["host_ops"] += NATIVE.host_runs()
         hits["memory"] += fast
         s["hits"] = hits
         s["fallback_ops"] = sorted(self.fallback_ops)

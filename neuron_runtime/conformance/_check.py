@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .._native import NATIVE
 from ..aten import runtime
 from ._skips import ANY_DEVICE, CPU_ARGS, METADATA_ONLY, NO_BACKWARD, NO_INPLACE, NO_OUT, SKIP
 
@@ -88,10 +89,14 @@ class _HostLog:
 
     def __enter__(self) -> "_HostLog":
         self.active = True
+        if NATIVE is not None:  # random host ops through the Python kernel, which records them here
+            NATIVE.set_host_native(False)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.active = False
+        if NATIVE is not None:
+            NATIVE.set_host_native(True)
 
 
 def per_shape(refused: dict[str, str], before: set[str]) -> dict[str, str]:

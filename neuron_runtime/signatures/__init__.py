@@ -19,6 +19,7 @@ from ._ops import (
     OPT_TENSOR,
     OPT_TENSORS,
     OTHER,
+    RANDOM,
     SCALAR,
     SCALARS,
     TENSOR,
@@ -68,7 +69,7 @@ from ._signature import (
 
 __all__ = [
     "FACTORY_OUT", "GENERATOR", "LIST_KINDS", "MINIMUMS", "OPT_TENSOR", "OPT_TENSORS", "OTHER", "PACK_MAX_NUMEL",
-    "SCALAR", "SCALARS", "TENSOR", "TENSORS", "TENSOR_KINDS", "VALUE", "OpInfo", "SignatureError", "bind_symbols",
+    "RANDOM", "SCALAR", "SCALARS", "TENSOR", "TENSORS", "TENSOR_KINDS", "VALUE", "OpInfo", "SignatureError", "bind_symbols",
     "build_signature", "cache_key", "canonical",
     "canonical_signature", "canonical_strides",
     "class_example", "classify", "cpu_ops", "decode_dtype", "dense", "decode_value", "describe_shapes", "encode_value",

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import neuron_runtime
+from neuron_runtime._native import _hostmem
 from neuron_runtime.aten import _runtime
 from neuron_runtime.compiler import _examples
 from neuron_runtime.compiler._reference import ReferenceCompiler
@@ -309,3 +310,43 @@ def test_megacache_load_draws_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path:
     s = neuron_runtime.stats()
     assert s["compiles"] == 0 and s["loads"] > 0, s
     assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.skipif(_hostmem.NATIVE is None, reason="native layer not loaded")
+def test_random_ops_run_natively_after_their_first_call() -> None:
+    """A functional random op (no device argument) is served by the native host kernel from its second call:
+    CPU's kernel on the CPU views, from the CPU generator or the one passed, results on neuron, counted in
+    `host_ops`. A CPU tensor among its arguments takes the Python kernel, as before."""
+    native = _hostmem.NATIVE
+    _runtime.reset_runtime()
+    p, x = torch.softmax(torch.randn(3, 40), -1), torch.randn(6, 5)
+    np_, nx = p.to(DEV), x.to(DEV)
+    calls = (lambda q, y, g: torch.multinomial(q, 4, replacement=True, generator=g),
+             lambda q, y, g: torch.ops.aten.native_dropout(y, 0.4, True),
+             lambda q, y, g: torch.bernoulli(q, generator=g),
+             lambda q, y, g: torch.normal(y, y.abs() + 0.1, generator=g))
+    before = native.host_runs()
+    for _ in range(3):
+        for f in calls:
+            for gen in (False, True):
+                torch.manual_seed(7)
+                want = f(p, x, torch.Generator().manual_seed(3) if gen else None)
+                torch.manual_seed(7)
+                got = f(np_, nx, torch.Generator().manual_seed(3) if gen else None)
+                for w, g in zip(pytree.tree_leaves(want), pytree.tree_leaves(got)):
+                    assert g.device.type == DEV and torch.equal(w, g.cpu())
+            torch.manual_seed(7)
+            f(p, x, None)
+            want_next = torch.rand(3)
+            torch.manual_seed(7)
+            f(np_, nx, None)
+            assert torch.equal(want_next, torch.rand(3))  # the generator is left where CPU leaves it
+    ran = native.host_runs() - before
+    assert ran >= 16, ran  # the second and third rounds at least
+    assert neuron_runtime.stats()["host_ops"] >= ran
+    ran = native.host_runs()
+    torch.manual_seed(7)
+    want = torch.normal(x, x.abs() + 0.1)
+    torch.manual_seed(7)
+    got = torch.normal(nx, x.abs() + 0.1)  # a CPU tensor among neuron ones: the Python kernel's call
+    assert native.host_runs() == ran and torch.equal(want, got.cpu())
