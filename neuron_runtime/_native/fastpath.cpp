@@ -1338,7 +1338,16 @@ struct OpState final : c10::OperatorKernel {
   // decides (the user's error, or a fallback to the host).
   bool run(const Entry& e, Stack* stack, size_t base) {
     const size_t n = kinds.size();
-    std::vector<at::Tensor> outs;
+    // Buffers kept per thread, as Typed's (a call nested in this one finds them in use and has its own).
+    thread_local std::vector<at::Tensor> in_buf, outs_buf;
+    std::vector<at::Tensor> own_in, own_outs;
+    const bool mine = in_buf.empty() && outs_buf.empty();
+    std::vector<at::Tensor>& outs = mine ? outs_buf : own_outs;
+    std::vector<at::Tensor>& in = mine ? in_buf : own_in;
+    struct Emptied {  // on every way out, exceptions included
+      std::vector<at::Tensor> &a, &b;
+      ~Emptied() { a.clear(), b.clear(); }
+    } emptied{in, outs};
     try {
       if (e.aten) {
         Stack cpu;
@@ -1367,8 +1376,7 @@ struct OpState final : c10::OperatorKernel {
           }
         }
       } else if (e.aoti.runner != nullptr) {
-        std::vector<at::Tensor> in;
-        std::vector<c10::IValue> scalars;
+        c10::SmallVector<c10::IValue, 4> scalars;
         in.reserve(n);
         for (size_t i = 0; i < n; ++i) {
           const c10::IValue& v = (*stack)[base + i];
@@ -1384,7 +1392,7 @@ struct OpState final : c10::OperatorKernel {
             for (const c10::IValue& x : v.toListRef()) scalars.push_back(x);
           }
         }
-        if (!e.aoti.run(std::move(in), scalars, outs)) return false;
+        if (!e.aoti.run_into(in, scalars, outs)) return false;
       } else {
         py::gil_scoped_acquire gil;
         py::list tensors, scalars;
