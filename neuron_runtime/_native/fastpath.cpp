@@ -2340,7 +2340,7 @@ py::dict fusion_counters() {
 // indices, conjugate/negative bits) by the Python kernels. HOST_FACTORY: `arange`, `full`, `scalar_tensor`
 // (aten/_decomp.py `_host_factory`): CPU's factory, relabelled.
 enum Special : int { EMPTY = 0, EMPTY_STRIDED = 1, COPY_FROM = 2, LOCAL_SCALAR = 3, TO_COPY = 4, HOST_FACTORY = 5,
-                    CLONE = 6 };
+                    CLONE = 6, SLICE_BACKWARD = 7, SELECT_BACKWARD = 8 };
 
 struct SpecialKernel final : c10::OperatorKernel {
   Special which;
@@ -2402,6 +2402,7 @@ struct SpecialKernel final : c10::OperatorKernel {
       return true;
     }
     if (which == TO_COPY) return to_copy(s, base, n);
+    if (which == SLICE_BACKWARD || which == SELECT_BACKWARD) return scatter_backward(s, base, n);
     if (which == CLONE) {  // clone(self, *, memory_format?): CPU's clone of the CPU view, relabelled
       at::Tensor t;
       if (!s[base].isTensor() || !host(s[base].toTensor(), t, true) || t.device().type() != c10::kCPU ||
@@ -2426,6 +2427,34 @@ struct SpecialKernel final : c10::OperatorKernel {
     c10::IValue result = s[base + 1];
     torch::jit::drop(s, n);
     s.push_back(std::move(result));
+    return true;
+  }
+
+  // slice_backward(grad, input_sizes, dim, start, end, step) / select_backward(grad, input_sizes, dim, index):
+  // autograd's gradient of a slice or a select is zeros of the input's sizes with `grad` copied into the
+  // slice, CPU's kernel step for step, here on the host (a fill and a copy: data movement, no compute).
+  // Compiled, its key held `input_sizes`, batch size included: a training loop with a new batch size
+  // compiled it again at every size (HF Llama's rotary slices: 4 executables a size).
+  bool scatter_backward(Stack& s, size_t base, size_t n) {
+    at::Tensor g;
+    if (!s[base].isTensor() || s[base].toTensor().device().type() != c10::DeviceType::PrivateUse1 ||
+        !host(s[base].toTensor(), g) || !s[base + 1].isIntList() || !s[base + 2].isInt()) {
+      return false;
+    }
+    const std::vector<int64_t> sizes = s[base + 1].toIntVector();
+    const int64_t nd = static_cast<int64_t>(sizes.size());
+    if (nd == 0) return false;
+    const int64_t dim = c10::maybe_wrap_dim(s[base + 2].toInt(), nd);
+    at::Tensor out = at::zeros(sizes, g.options());
+    if (which == SLICE_BACKWARD) {
+      if (!s[base + 3].isInt() || !s[base + 4].isInt() || !s[base + 5].isInt()) return false;
+      out.slice(dim, s[base + 3].toInt(), s[base + 4].toInt(), s[base + 5].toInt()).copy_(g);
+    } else {
+      if (!s[base + 3].isInt()) return false;
+      out.select(dim, s[base + 3].toInt()).copy_(g);
+    }
+    torch::jit::drop(s, n);
+    s.emplace_back(to_neuron_fresh(std::move(out)));
     return true;
   }
 
@@ -2473,7 +2502,8 @@ struct SpecialKernel final : c10::OperatorKernel {
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
     // An allocation reads nothing: only a copy or a read runs fusion's queue first.
-    if ((which == COPY_FROM || which == LOCAL_SCALAR || which == TO_COPY || which == CLONE) &&
+    if ((which == COPY_FROM || which == LOCAL_SCALAR || which == TO_COPY || which == CLONE ||
+         which == SLICE_BACKWARD || which == SELECT_BACKWARD) &&
         g_pending.load(std::memory_order_relaxed)) {
       flush_queued(op);
     }

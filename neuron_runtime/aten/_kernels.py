@@ -125,6 +125,7 @@ _installed: set[str] = set()
 # Special kernels with a native fast path (`fastpath.cpp`'s Special), falling back to ours.
 _NATIVE_SPECIAL = {"aten::empty.memory_format": 0, "aten::empty_strided": 1, "aten::_copy_from": 2,
                    "aten::_local_scalar_dense": 3, "aten::_to_copy": 4, "aten::clone": 6,
+                   "aten::slice_backward": 7, "aten::select_backward": 8,
                    **{f"aten::{op}": 5 for op in ("arange", "arange.start", "arange.start_step", "full",
                                                   "scalar_tensor")}}
 
