@@ -963,6 +963,21 @@ void flush_for(const std::string& reason) {  // with the GIL: fusion.flush(reaso
 }
 
 
+// A launch's input and output buffers: the thread's own, kept between launches for their capacity, or, for
+// a launch nested in another on this thread (which finds them in use), buffers of its own; both emptied on
+// every way out, exceptions included.
+struct LaunchBuffers {
+  static std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>& kept() {
+    thread_local std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> p;
+    return p;
+  }
+  std::vector<at::Tensor> own_in, own_outs;
+  const bool mine = kept().first.empty() && kept().second.empty();
+  std::vector<at::Tensor>& in = mine ? kept().first : own_in;
+  std::vector<at::Tensor>& outs = mine ? kept().second : own_outs;
+  ~LaunchBuffers() { in.clear(), outs.clear(); }
+};
+
 std::atomic<int64_t> g_executions{0};
 std::atomic<int64_t> g_generation{0};  // bumped by clear(): tables drop entries of older generations
 
@@ -1338,16 +1353,9 @@ struct OpState final : c10::OperatorKernel {
   // decides (the user's error, or a fallback to the host).
   bool run(const Entry& e, Stack* stack, size_t base) {
     const size_t n = kinds.size();
-    // Buffers kept per thread, as Typed's (a call nested in this one finds them in use and has its own).
-    thread_local std::vector<at::Tensor> in_buf, outs_buf;
-    std::vector<at::Tensor> own_in, own_outs;
-    const bool mine = in_buf.empty() && outs_buf.empty();
-    std::vector<at::Tensor>& outs = mine ? outs_buf : own_outs;
-    std::vector<at::Tensor>& in = mine ? in_buf : own_in;
-    struct Emptied {  // on every way out, exceptions included
-      std::vector<at::Tensor> &a, &b;
-      ~Emptied() { a.clear(), b.clear(); }
-    } emptied{in, outs};
+    LaunchBuffers buffers;
+    std::vector<at::Tensor>& in = buffers.in;
+    std::vector<at::Tensor>& outs = buffers.outs;
     try {
       if (e.aten) {
         Stack cpu;
@@ -1705,17 +1713,9 @@ struct Typed<Op, at::Tensor(Args...)> final : c10::OperatorKernel {
         if (!(*e.aten == op)) return false;  // the executable runs another op: OpState's path does that
         out = op.typed<at::Tensor(Args...)>().redispatch(kCpuKeys, host(args)...);
       } else if (e.aoti.runner != nullptr) {
-        // Buffers kept per thread (a nested call on this thread, e.g. a kernel the executable calls,
-        // finds them empty or in use, and allocates its own).
-        thread_local std::vector<at::Tensor> in_buf, outs_buf;
-        std::vector<at::Tensor> own_in, own_outs;
-        const bool mine = in_buf.empty() && outs_buf.empty();
-        std::vector<at::Tensor>& in = mine ? in_buf : own_in;
-        std::vector<at::Tensor>& outs = mine ? outs_buf : own_outs;
-        struct Emptied {  // on every way out, exceptions included
-          std::vector<at::Tensor> &a, &b;
-          ~Emptied() { a.clear(), b.clear(); }
-        } emptied{in, outs};
+        LaunchBuffers buffers;
+        std::vector<at::Tensor>& in = buffers.in;
+        std::vector<at::Tensor>& outs = buffers.outs;
         c10::SmallVector<c10::IValue, 2> scalars;
         in.reserve(sizeof...(Args));
         size_t i = 0;
@@ -2575,9 +2575,11 @@ struct HostKernel final : c10::OperatorKernel {
   }
 };
 
-void register_host(const std::string& qualname, std::vector<bool> kwarg_only, std::vector<std::string> names,
-                   py::object kernel) {
-  auto k = std::make_unique<HostKernel>();
+// A boxed kernel with the op's Python kernel behind it (`python` calls it; its key tables stay unused),
+// registered for neuron in the Python kernel's place.
+template <class K>
+void register_with_python(const std::string& qualname, std::unique_ptr<K> k, std::vector<bool> kwarg_only,
+                          std::vector<std::string> names, py::object kernel) {
   k->python = std::make_unique<OpState>();
   k->python->kinds.assign(kwarg_only.size(), VALUE);
   k->python->kwarg_only = std::move(kwarg_only);
@@ -2589,19 +2591,17 @@ void register_host(const std::string& qualname, std::vector<bool> kwarg_only, st
                  torch::CppFunction::makeFromBoxedKernel(c10::BoxedKernel::makeFromFunctor(std::move(k))));
 }
 
+void register_host(const std::string& qualname, std::vector<bool> kwarg_only, std::vector<std::string> names,
+                   py::object kernel) {
+  register_with_python(qualname, std::make_unique<HostKernel>(), std::move(kwarg_only), std::move(names),
+                       std::move(kernel));
+}
+
 void register_special(const std::string& qualname, int which, std::vector<bool> kwarg_only,
                       std::vector<std::string> names, py::object kernel) {
   auto k = std::make_unique<SpecialKernel>();
   k->which = static_cast<Special>(which);
-  k->python = std::make_unique<OpState>();
-  k->python->kinds.assign(kwarg_only.size(), VALUE);
-  k->python->kwarg_only = std::move(kwarg_only);
-  k->python->names = std::move(names);
-  k->python->kernel = kernel.release().ptr();
-  Quiet quiet;
-  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-  library().impl(op_name(qualname).c_str(),
-                 torch::CppFunction::makeFromBoxedKernel(c10::BoxedKernel::makeFromFunctor(std::move(k))));
+  register_with_python(qualname, std::move(k), std::move(kwarg_only), std::move(names), std::move(kernel));
 }
 
 void register_compute(const std::string& qualname, std::vector<int> kinds, std::vector<bool> kwarg_only,
