@@ -170,11 +170,10 @@ at::Tensor cpu_view(const at::Tensor& t) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   std::lock_guard<neuron_memory::SpinLock> lock(g_view_mu);
   if (auto* c = dynamic_cast<CpuView*>(impl->get_backend_meta()); c != nullptr && fits(*c, t)) return c->view;
+  at::Tensor v = to_cpu(t);
   // A view (`w.t()`, a slice) is most often made, read once and dropped: keeping its CPU view in the slot
   // would cost an allocation and a destructor for nothing (~67 views a decode token).
-  if (t.is_view()) return to_cpu(t);
-  at::Tensor v = to_cpu(t);
-  impl->set_backend_meta(c10::make_intrusive<CpuView>(v, impl->unsafe_storage().unsafeGetStorageImpl()));
+  if (!t.is_view()) impl->set_backend_meta(c10::make_intrusive<CpuView>(v, impl->unsafe_storage().unsafeGetStorageImpl()));
   return v;
 }
 
@@ -2374,6 +2373,14 @@ struct SpecialKernel final : c10::OperatorKernel {
     return true;
   }
 
+  // `host` for an argument that must be a neuron tensor (a CPU one goes to the Python kernel).
+  static bool neuron_host(const c10::IValue& v, at::Tensor& out, bool kept = false) {
+    return v.isTensor() && v.toTensor().device().type() == c10::DeviceType::PrivateUse1 && host(v.toTensor(), out, kept);
+  }
+
+  // Whether the op reads tensor memory (fusion's queue runs first); an allocation reads nothing.
+  bool reads() const { return which != EMPTY && which != EMPTY_STRIDED && which != HOST_FACTORY; }
+
   bool fast(const c10::OperatorHandle& op, Stack* stack, size_t base, size_t n) {
     Stack& s = *stack;
     at::TensorOptions opts;
@@ -2405,10 +2412,7 @@ struct SpecialKernel final : c10::OperatorKernel {
     if (which == SLICE_BACKWARD || which == SELECT_BACKWARD) return scatter_backward(s, base, n);
     if (which == CLONE) {  // clone(self, *, memory_format?): CPU's clone of the CPU view, relabelled
       at::Tensor t;
-      if (!s[base].isTensor() || !host(s[base].toTensor(), t, true) || t.device().type() != c10::kCPU ||
-          s[base].toTensor().device().type() != c10::DeviceType::PrivateUse1) {
-        return false;
-      }
+      if (!neuron_host(s[base], t, true)) return false;
       at::Tensor out = to_neuron_fresh(at::clone(t, s[base + 1].toOptional<c10::MemoryFormat>()));
       torch::jit::drop(s, n);
       s.emplace_back(std::move(out));
@@ -2437,10 +2441,7 @@ struct SpecialKernel final : c10::OperatorKernel {
   // compiled it again at every size (HF Llama's rotary slices: 4 executables a size).
   bool scatter_backward(Stack& s, size_t base, size_t n) {
     at::Tensor g;
-    if (!s[base].isTensor() || s[base].toTensor().device().type() != c10::DeviceType::PrivateUse1 ||
-        !host(s[base].toTensor(), g) || !s[base + 1].isIntList() || !s[base + 2].isInt()) {
-      return false;
-    }
+    if (!neuron_host(s[base], g) || !s[base + 1].isIntList() || !s[base + 2].isInt()) return false;
     const std::vector<int64_t> sizes = s[base + 1].toIntVector();
     const int64_t nd = static_cast<int64_t>(sizes.size());
     if (nd == 0) return false;
@@ -2501,12 +2502,7 @@ struct SpecialKernel final : c10::OperatorKernel {
   }
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, Stack* stack) {
-    // An allocation reads nothing: only a copy or a read runs fusion's queue first.
-    if ((which == COPY_FROM || which == LOCAL_SCALAR || which == TO_COPY || which == CLONE ||
-         which == SLICE_BACKWARD || which == SELECT_BACKWARD) &&
-        g_pending.load(std::memory_order_relaxed)) {
-      flush_queued(op);
-    }
+    if (reads() && g_pending.load(std::memory_order_relaxed)) flush_queued(op);
     const size_t n = python->kinds.size();
     const size_t base = stack->size() - n;
     if (!fast(op, stack, base, n)) python->call_python(op, stack, base, nullptr);
@@ -2541,18 +2537,10 @@ struct HostKernel final : c10::OperatorKernel {
     bool neuron = false;
     for (size_t i = 0; i < n; ++i) {  // decided before the op runs: a draw cannot be taken back
       const c10::IValue& v = s[base + i];
-      if (v.isTensor()) {
-        const at::Tensor& t = v.toTensor();
-        if (!t.defined()) {
-          cpu.push_back(v);
-          continue;
-        }
-        const auto* impl = t.unsafeGetTensorImpl();
-        if (impl->device_type() != c10::DeviceType::PrivateUse1 || impl->is_conj() || impl->is_neg() ||
-            impl->layout() != c10::kStrided) {
-          return false;
-        }
-        cpu.emplace_back(cpu_view(t));
+      if (v.isTensor() && v.toTensor().defined()) {
+        at::Tensor t;
+        if (!SpecialKernel::neuron_host(v, t, true)) return false;
+        cpu.emplace_back(std::move(t));
         neuron = true;
       } else if (v.isGenerator()) {
         if (v.toGenerator().device().type() != c10::DeviceType::CPU) return false;
