@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._native import NATIVE
 from ..signatures import dense
 from . import _toolchain
 from ._base import Executable
@@ -36,22 +37,31 @@ def load_runner(members: dict[str, bytes | memoryview], scratch: _toolchain.Scra
         for base, data in files.items():
             with open(os.path.join(work, base), "wb") as f:
                 f.write(data)
-        # One model instance; the runner's own lock makes concurrent calls from Python threads safe.
+        # One model instance, run by one thread at a time (`run_of`).
         return torch._C._aoti.AOTIModelContainerRunnerCpu(os.path.join(work, os.path.basename(so[0])), 1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def run_of(loader: Any) -> Any:
+    """`loader.run`, or with the native extension its replacement: every run of the container through its
+    single-threaded entry under one lock, the native hit path's too (fastpath.cpp, `RunLock`). The
+    container's own `run` hands its model instance around under two mutexes, a shared lock and a condition
+    variable (~0.35 us a launch), and must not be mixed with the single-threaded entry."""
+    native = NATIVE.aoti_runner(loader) if NATIVE is not None else None
+    return loader.run if native is None else native
+
+
 def make_executable(loader: Any, qualname: str, scalar_types: Sequence[str],
                     wrapped: Sequence[tuple[int, str]] = ()) -> Executable:
-    """`exe(tensors, scalars)` over `loader.run(list)`; generated per arity so a call is one C++ call.
+    """`exe(tensors, scalars)` over `run_of(loader)(list)`; generated per arity so a call is one C++ call.
 
     Each scalar slot keeps the 0-d tensor of the last value *object* it saw: `alpha=1` and an unchanged
     learning rate are the same Python object call after call, so the hit path allocates nothing. Numbers
     in tensor slots (`wrapped`) become 0-d tensors the same way."""
     if wrapped:
         return _with_wrapped(make_executable(loader, qualname, scalar_types), loader, wrapped)
-    run = loader.run
+    run = run_of(loader)
     if not scalar_types:
         def exe(tensors: Sequence[torch.Tensor], scalars: Sequence[Any]) -> list[torch.Tensor]:
             return run(tensors if isinstance(tensors, list) else list(tensors))  # type: ignore[no-any-return]

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -435,6 +436,50 @@ def test_native_runner_passes_scalars_after_tensors(aoti_root: Path) -> None:
     assert "API call failed" not in err, err[-2000:]
     if out["native"] is not None:
         assert out["native"] >= 2  # hits after the first call ran natively
+
+
+def test_one_executable_runs_from_many_threads_at_once(compiled: dict[str, Compiled], aoti_root: Path) -> None:
+    """An executable is entered one thread at a time (fastpath.cpp's `RunLock`, the container's single-
+    threaded entry): Python threads calling it at once, and threads whose neuron ops hit it natively while
+    others wait, each get their own call's result, and none is left waiting."""
+    c = compiled["mm"]
+    results: list[bool] = []
+
+    def calls(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(200):
+            a, b = torch.randn(16, 8, generator=g), torch.randn(8, 4, generator=g)
+            results.append(torch.equal(c.exe([a, b], [])[0], torch.mm(a, b)))
+
+    threads = [threading.Thread(target=calls, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and len(results) == 800 and all(results)
+
+    script = textwrap.dedent("""
+        import json, threading, torch, neuron_runtime
+        from neuron_runtime._native import _hostmem
+        w = torch.randn(64, 64)
+        wn = w.to("neuron")
+        torch.mm(torch.randn(32, 64).to("neuron"), wn).cpu()  # compiled here, once
+        ok = []
+        def calls(seed):
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(300):
+                x = torch.randn(32, 64, generator=g)
+                ok.append(torch.allclose(torch.mm(x.to("neuron"), wn).cpu(), x @ w, atol=1e-5))
+        ts = [threading.Thread(target=calls, args=(i,)) for i in range(4)]
+        for t in ts: t.start()
+        for t in ts: t.join(timeout=300)
+        print(json.dumps({"ok": len(ok) == 1200 and all(ok), "alive": any(t.is_alive() for t in ts),
+                          "native": None if _hostmem.NATIVE is None else _hostmem.NATIVE.executions()}))
+    """)
+    out, _ = _aoti_child(["-c", script], aoti_root / "neff-threads")
+    assert out["ok"] and not out["alive"], out
+    if out["native"] is not None:
+        assert out["native"] >= 1000, out  # the threads' hits ran natively, entering the lock together
 
 
 def test_a_prefill_against_static_caches_of_any_length_runs_one_packed_kernel(aoti_root: Path) -> None:
