@@ -13,8 +13,13 @@ KV cache, and `--static` adds `cache_implementation="static"`), one process, syn
 and `--train`: the Llama trained one step at each of 6 new batch sizes (sequence 16, AdamW): compiles per
 step (after the first sizes the target is 0).
 
+Other loops than the issue's: `--size small` (4 layers, hidden 256, 8 heads, 4 KV heads, intermediate 688,
+vocab 1024; GPT-2 alike), and `--prompts 5,8,13`: step 3 cycles through these prompt lengths call by call
+(each length warmed first: `new_length_compiles`), so no two consecutive calls decode from the same length.
+
     python benchmarks/decode.py [--tier reference|aoti] [--rounds R] [--models llama,gpt2] [--static]
                                 [--train] [--batches 1,4] [--sampling greedy,seeded] [--cache-dir DIR]
+                                [--size tiny|small] [--prompts 8]
 
 OMP_NUM_THREADS=1 and one CPU thread on both sides; the load average is printed (stderr) and recorded.
 """
@@ -36,16 +41,18 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 torch.set_num_threads(1)
 model_name, rounds, static, train = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 batches, samplings = [int(b) for b in sys.argv[5].split(",")], [s == "seeded" for s in sys.argv[6].split(",")]
-V, PROMPT, PAD = 256, 8, 0
+small, PROMPTS = sys.argv[7] == "small", [int(p) for p in sys.argv[8].split(",")]
+V, PAD = (1024 if small else 256), 0
+H, L, NH, KV, FF = (256, 4, 8, 4, 688) if small else (64, 2, 4, 2, 176)
 
 def make():
     torch.manual_seed(0)
     if model_name == "llama":
-        cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L,
+                          num_attention_heads=NH, num_key_value_heads=KV, max_position_embeddings=256,
                           pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
         return LlamaForCausalLM(cfg).eval()
-    cfg = GPT2Config(vocab_size=V, n_positions=256, n_embd=64, n_layer=2, n_head=4, pad_token_id=PAD,
+    cfg = GPT2Config(vocab_size=V, n_positions=256, n_embd=H, n_layer=L, n_head=NH, pad_token_id=PAD,
                      bos_token_id=1, eos_token_id=2)
     return GPT2LMHeadModel(cfg).eval()
 
@@ -56,10 +63,10 @@ dev.load_state_dict(cpu.state_dict())
 def stat(k):
     return neuron_runtime.stats().get(k, 0)
 
-def inputs(batch):
+def inputs(batch, prompt):
     g = torch.Generator().manual_seed(batch)
-    ids = torch.randint(3, V, (batch, PROMPT), generator=g)
-    mask = torch.ones(batch, PROMPT, dtype=torch.long)
+    ids = torch.randint(3, V, (batch, prompt), generator=g)
+    mask = torch.ones(batch, prompt, dtype=torch.long)
     for row in range(1, batch):  # left padding: row r has r pad tokens in front
         ids[row, :row] = PAD
         mask[row, :row] = 0
@@ -78,7 +85,7 @@ def gen(model, device, ids, mask, n, sample):
 results = []
 for batch in batches:
     for sample in samplings:
-        ids, mask = inputs(batch)
+        ids, mask = inputs(batch, PROMPTS[0])
         calls = []
         for n in (8, 16, 48):
             c0 = stat("compiles")
@@ -89,8 +96,15 @@ for batch in batches:
         gen(dev, "neuron", ids, mask, 48, sample)
         launches = (stat("executions") - e0) / 48
         warm_compiles = stat("compiles") - c0
+        prompts = [inputs(batch, p) for p in PROMPTS]
+        c0 = stat("compiles")
+        for ids, mask in prompts[1:]:
+            gen(dev, "neuron", ids, mask, 48, sample)
+        new_length_compiles = stat("compiles") - c0
         tn, tc = [], []
-        for _ in range(rounds):  # interleaved, call by call
+        c0 = stat("compiles")
+        for r in range(rounds):  # interleaved, call by call
+            ids, mask = prompts[r % len(prompts)]
             t = time.perf_counter(); gen(dev, "neuron", ids, mask, 48, sample); tn.append(time.perf_counter() - t)
             t = time.perf_counter(); gen(cpu, "cpu", ids, mask, 48, sample); tc.append(time.perf_counter() - t)
         mn, mc = statistics.median(tn) * 1e3 / 48, statistics.median(tc) * 1e3 / 48
@@ -98,7 +112,8 @@ for batch in batches:
             "batch": batch, "sampling": "seeded" if sample else "greedy", "calls": calls,
             "later_compiles": calls[1]["compiles"] + calls[2]["compiles"],
             "compiles_per_token_after_first": (calls[1]["compiles"] + calls[2]["compiles"]) / 64,
-            "warm_call_compiles": warm_compiles, "launches_per_token": round(launches, 1),
+            "warm_call_compiles": warm_compiles, "new_length_compiles": new_length_compiles,
+            "timed_compiles": stat("compiles") - c0, "launches_per_token": round(launches, 1),
             "ms_per_token": round(mn, 3), "cpu_ms_per_token": round(mc, 3), "vs_cpu": round(mn / mc, 2)})
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
 
@@ -127,6 +142,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", action="store_true", help="also train the Llama at 6 new batch sizes")
     p.add_argument("--batches", default="1,4", help="batch sizes (rows after the first are left-padded)")
     p.add_argument("--sampling", default="greedy,seeded")
+    p.add_argument("--size", default="tiny", choices=("tiny", "small"),
+                   help="the issue's models, or 4x wider and 2x deeper")
+    p.add_argument("--prompts", default="8", help="prompt lengths the timed calls cycle through")
     p.add_argument("--cache-dir", help="keep executables here (default: a fresh temporary directory per run)")
     return p
 
@@ -137,7 +155,7 @@ def _run(model: str, static: bool, args: argparse.Namespace, cache: str) -> dict
                TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR=os.path.join(cache, "local"), HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     argv = [sys.executable, "-c", CHILD, model, str(args.rounds), "1" if static else "0", "1" if args.train else "0",
-            args.batches, args.sampling]
+            args.batches, args.sampling, args.size, args.prompts]
     out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, check=True)
     result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -153,11 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="neuron-decode-") as tmp:
                 cache = args.cache_dir or tmp
                 if args.cache_dir:  # each model and cache kind in its own place: every run starts cold
-                    cache = os.path.join(cache, f"{args.tier}-{model}-{'static' if static else 'dynamic'}")
+                    kind = ("static" if static else "dynamic") + ("-small" if args.size == "small" else "")
+                    cache = os.path.join(cache, f"{args.tier}-{model}-{kind}")
                 runs.append(_run(model, static, args, cache))
     load_after = os.getloadavg()
     print(f"load average after: {load_after}", file=sys.stderr)
-    print(json.dumps({"tier": args.tier, "rounds": args.rounds, "load_before": load_before, "load_after": load_after,
+    print(json.dumps({"tier": args.tier, "rounds": args.rounds, "size": args.size, "prompts": args.prompts,
+                      "load_before": load_before, "load_after": load_after,
                       "runs": runs}, indent=1))
     return 0
 
