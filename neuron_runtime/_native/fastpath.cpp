@@ -397,9 +397,15 @@ void register_view(const std::string& qualname) {
 // ---------------------------------------------------------------------------------------------------
 // OUT: an out= op's `out` tensor: no key words (the functional executable's key is the other arguments'),
 // never an input of the executable; the result is copied into it when its dtype and sizes fit.
-enum Kind : int { TENSOR = 0, OPT_TENSOR = 1, SCALAR = 2, VALUE = 3, TENSORS = 4, SCALARS = 5, OUT = 6 };
+// OPT_TENSORS: a `Tensor?[]` (`index.Tensor`'s indices), functional ops only: its tensors are inputs in order,
+// its Nones left out (signatures' `tensors_in`), each position keyed as a tensor or None.
+enum Kind : int { TENSOR = 0, OPT_TENSOR = 1, SCALAR = 2, VALUE = 3, TENSORS = 4, SCALARS = 5, OUT = 6,
+                  OPT_TENSORS = 7 };
 
 using Key = std::vector<int64_t>;
+
+// An element of a `Tensor?[]` that holds a tensor (None and an undefined tensor are both absent).
+inline bool present(const c10::IValue& x) { return x.isTensor() && x.toTensor().defined(); }
 
 // Key words: a tag per argument, then its content. Tags keep e.g. int 1, float 1.0 and True apart.
 enum Tag : int64_t {
@@ -1096,6 +1102,17 @@ struct OpState final : c10::OperatorKernel {
         }
         return true;
       }
+      case OPT_TENSORS: {
+        if (!v.isList()) return false;
+        const auto l = v.toListRef();
+        key.push_back(T_LIST);
+        key.push_back(static_cast<int64_t>(l.size()));
+        for (const c10::IValue& x : l) {  // C++ indexing (`x[:, i]`) passes an absent index undefined
+          if (!present(x)) key.push_back(T_NONE);
+          else if (!x.isTensor() || !tensor_words(x.toTensor(), key)) return false;
+        }
+        return true;
+      }
       case SCALAR:
         return scalar_word(v, key);
       case SCALARS: {
@@ -1243,6 +1260,8 @@ struct OpState final : c10::OperatorKernel {
           if (t.device().type() != c10::DeviceType::PrivateUse1) return false;
           node.ins.push_back(t);
         }
+      } else if (kinds[i] == OPT_TENSORS) {
+        return false;  // not queued here: the Python kernel queues it
       } else if (kinds[i] == SCALAR && !v.isNone()) {
         node.scalars.push_back(v);
       } else if (kinds[i] == SCALARS && !v.isNone()) {
@@ -1437,6 +1456,12 @@ struct OpState final : c10::OperatorKernel {
             l.reserve(v.toTensorList().size());
             for (const at::Tensor& t : v.toTensorList()) l.push_back(cpu_view(t));
             cpu.emplace_back(std::move(l));
+          } else if (kinds[i] == OPT_TENSORS) {
+            c10::List<std::optional<at::Tensor>> l;
+            for (const c10::IValue& x : v.toListRef()) {
+              l.push_back(present(x) ? std::optional<at::Tensor>(cpu_view(x.toTensor())) : std::nullopt);
+            }
+            cpu.emplace_back(std::move(l));
           } else if (kinds[i] != OUT) {
             cpu.push_back(v);
           }
@@ -1461,6 +1486,10 @@ struct OpState final : c10::OperatorKernel {
             in.push_back(t.unsafeGetTensorImpl()->is_wrapped_number() ? t : cpu_view(t));
           } else if (kinds[i] == TENSORS) {
             for (const at::Tensor& t : v.toTensorList()) in.push_back(cpu_view(t));
+          } else if (kinds[i] == OPT_TENSORS) {
+            for (const c10::IValue& x : v.toListRef()) {
+              if (present(x)) in.push_back(cpu_view(x.toTensor()));
+            }
           } else if (kinds[i] == SCALAR && !v.isNone()) {
             scalars.push_back(v);
           } else if (kinds[i] == SCALARS && !v.isNone()) {
@@ -1481,6 +1510,11 @@ struct OpState final : c10::OperatorKernel {
           } else if (kinds[i] == TENSORS) {
             for (const at::Tensor& t : v.toTensorList()) {
               tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(to_cpu(t))));
+            }
+          } else if (kinds[i] == OPT_TENSORS) {
+            for (const c10::IValue& x : v.toListRef()) {
+              if (!present(x)) continue;
+              tensors.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(to_cpu(x.toTensor()))));
             }
           } else if (kinds[i] == SCALAR && !v.isNone()) {
             scalars.append(torch::jit::toPyObject(v));

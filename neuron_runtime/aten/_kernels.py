@@ -10,8 +10,8 @@ import torch
 
 from .. import _profiling
 from .._native import NATIVE
-from ..signatures import (GENERATOR, OPT_TENSOR, RANDOM, SCALAR, SCALARS, TENSOR, TENSORS, VALUE, OpInfo, classify,
-                          cpu_ops, resolve_op)
+from ..signatures import (GENERATOR, OPT_TENSOR, OPT_TENSORS, RANDOM, SCALAR, SCALARS, TENSOR, TENSORS, VALUE, OpInfo,
+                          classify, cpu_ops, resolve_op)
 from . import _decomp, _fusion, _generic, _quantized, _special
 from ._host import DEVICE
 from ._runtime import runtime
@@ -131,7 +131,7 @@ _NATIVE_SPECIAL = {"aten::empty.memory_format": 0, "aten::empty_strided": 1, "at
 
 # Argument kinds the native hit path serves (`fastpath.cpp`'s Kind), and nothing else.
 _NATIVE_KINDS = {TENSOR: 0, OPT_TENSOR: 1, SCALAR: 2, VALUE: 3, TENSORS: 4,
-                 SCALARS: 5}
+                 SCALARS: 5, OPT_TENSORS: 7}
 _NATIVE_OUT = 6  # an out= op's `out` (not keyed, not an input; the result is copied into it)
 
 
@@ -187,6 +187,8 @@ def _native_eligible(info: OpInfo) -> bool:
     (or one list): a functional op, or an in-place one writing one tensor (returned) or one list."""
     if any(a.kind not in _NATIVE_KINDS for a in info.args):
         return False
+    if info.kind != "compute" and any(a.kind == OPT_TENSORS for a in info.args):
+        return False  # `index_put_`: the native in-place paths know lists of tensors only
     returns = [str(r.type) for r in info.op._schema.returns]
     if info.kind == "compute":
         return returns == ["List[Tensor]"] if info.returns_list else bool(returns) and \

@@ -74,6 +74,26 @@ def test_hits_run_natively_and_are_counted(fresh_runtime: _runtime.Runtime) -> N
 
 
 @native
+def test_index_with_tensor_indices_runs_natively(fresh_runtime: _runtime.Runtime) -> None:
+    """`index.Tensor` (a `Tensor?[]`: Hugging Face's attention masks index every decoded token) is served
+    natively, Nones included, equal to CPU; an index out of range still raises CPU's error."""
+    x, i, j = torch.randn(4, 6, 5), torch.tensor([0, 2, 3]), torch.tensor([1, 5, 0])
+    xn, i_n, j_n = x.to(DEV), i.to(DEV), j.to(DEV)
+    cases = [lambda a, p, q: a[p, q], lambda a, p, q: a[:, p], lambda a, p, q: a[p, :, q % 5]]
+    for f in cases:
+        for _ in range(2):  # the Python kernel's call, then the native kernel's miss, which learns it
+            assert_same(f(x, i, j), f(xn, i_n, j_n))
+        before = _hostmem.NATIVE.executions()
+        out = f(xn, i_n, j_n)
+        assert _hostmem.NATIVE.executions() - before >= 1
+        assert_same(f(x, i, j), out)
+    bad = torch.tensor([0, 7])
+    for _ in range(3):
+        with pytest.raises(IndexError, match="out of bounds"):
+            xn[bad.to(DEV)]
+
+
+@native
 def test_reset_forgets_native_entries(fresh_runtime: _runtime.Runtime) -> None:
     x = torch.randn(8, device=DEV)
     torch.sin(x), torch.sin(x)
