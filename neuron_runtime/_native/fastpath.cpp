@@ -1109,7 +1109,7 @@ struct OpState final : c10::OperatorKernel {
         key.push_back(static_cast<int64_t>(l.size()));
         for (const c10::IValue& x : l) {  // C++ indexing (`x[:, i]`) passes an absent index undefined
           if (!present(x)) key.push_back(T_NONE);
-          else if (!x.isTensor() || !tensor_words(x.toTensor(), key)) return false;
+          else if (!tensor_words(x.toTensor(), key)) return false;
         }
         return true;
       }
